@@ -1,0 +1,20 @@
+"""Data choices: ``data=digits`` (scikit-learn, shipped), ``data=patterns`` (synthetic views),
+``data=cifar10`` (a local folder)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradrepro.data.base import Batch, DataBase, ImageData
+from gradrepro.data.cifar10 import Cifar10, Cifar10Config
+from gradrepro.data.digits import Digits, DigitsConfig
+from gradrepro.data.patterns import Patterns, PatternsConfig
+
+DATA_SCHEMAS = {"digits": DigitsConfig, "patterns": PatternsConfig, "cifar10": Cifar10Config}
+_BUILDERS = {"digits": Digits, "patterns": Patterns, "cifar10": Cifar10}
+
+__all__ = ["Batch", "DataBase", "ImageData", "DATA_SCHEMAS", "build_data"]
+
+
+def build_data(cfg: Any, seed: int) -> ImageData:
+    return _BUILDERS[cfg.name](cfg, seed)

@@ -1,0 +1,44 @@
+"""A small conv encoder: conv3x3-BN-ReLU blocks and a global max-pool.
+
+SimSiam's encoder at CPU scale (shared/PAPERS.md, "the accuracy half": 2 conv + BN + ReLU,
+global max-pool). Max-pooling makes the features translation tolerant, which is what two
+views of a jittered pattern need to agree on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ConvNetConfig:
+    name: str = "convnet"
+    in_channels: int = "${data.channels}"  # type: ignore[assignment]
+    widths: List[int] = field(default_factory=lambda: [32, 64])
+    batchnorm: bool = True
+    num_classes: int = 0  # 0: a feature extractor
+
+
+class ConvNet(nn.Module):
+    def __init__(self, cfg: ConvNetConfig) -> None:
+        super().__init__()
+        blocks: list[nn.Module] = []
+        channels = int(cfg.in_channels)
+        for width in cfg.widths:
+            blocks.append(nn.Conv2d(channels, width, 3, padding=1, bias=not cfg.batchnorm))
+            if cfg.batchnorm:
+                blocks.append(nn.BatchNorm2d(width))
+            blocks.append(nn.ReLU())
+            channels = width
+        self.features = nn.Sequential(*blocks)
+        self.head = nn.Linear(channels, cfg.num_classes) if cfg.num_classes > 0 else None
+        self.out_dim = cfg.num_classes if cfg.num_classes > 0 else channels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.features(x)  # NxCxHxW
+        h = torch.amax(h, dim=(2, 3))  # NxC: global max-pool
+        return self.head(h) if self.head is not None else h

@@ -1,0 +1,294 @@
+"""The probe: per-parameter and per-module gradient-signal metrics on logged steps.
+
+Called by the shared runner around backward and the optimizer step on every
+``probe.every``-th step (and the last); on other steps nothing of it runs. Everything is
+computed on the device with fused/foreach operations and moved to the host once per logged
+step (the one exception: counting non-finite entries, which runs only for tensors whose
+norm is already non-finite).
+
+Gradient states (DESIGN.md): ``none`` (no graph path: ``.grad`` is None), ``zero`` (exact
+zeros), ``tiny`` (finite, non-zero, grad/param ratio at least ``tiny_factor`` below the
+model's median), ``finite``, ``nonfinite``. Three different causes; never merged.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+# fp16's smallest subnormal is 2^-24; round-to-nearest-even sends |x| <= 2^-25 to zero
+# (Micikevicius et al. 2018, Sec. 3.2; IEEE 754 binary16).
+FP16_FLUSH = 2.0**-25
+
+GRAD_STATES = ("none", "zero", "tiny", "finite", "nonfinite")
+
+_KINDS = (
+    (nn.modules.conv._ConvNd, "conv"),
+    (nn.Linear, "linear"),
+    (nn.modules.batchnorm._NormBase, "norm"),
+    (nn.LayerNorm, "norm"),
+    (nn.GroupNorm, "norm"),
+    (nn.Embedding, "embedding"),
+)
+
+
+def module_kind(module: nn.Module) -> str:
+    for cls, kind in _KINDS:
+        if isinstance(module, cls):
+            return kind
+    return "other"
+
+
+def _norms(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    if not tensors:
+        return []
+    if hasattr(torch, "_foreach_norm"):
+        return list(torch._foreach_norm(tensors))
+    return [torch.linalg.vector_norm(t) for t in tensors]
+
+
+def grad_states(
+    has_grad: np.ndarray,
+    nonfinite: np.ndarray,
+    nonzero: np.ndarray,
+    grad_to_param: np.ndarray,
+    param_norm: np.ndarray,
+    tiny_factor: float,
+) -> np.ndarray:
+    """Classify each parameter's gradient. ``tiny`` is judged against the median ratio of
+    the judgeable tensors (finite, non-zero grad, non-zero parameter): healthy networks
+    span orders of magnitude between layers, so the maximum would raise false alarms."""
+    judgeable = has_grad & (nonfinite == 0) & (nonzero > 0) & (param_norm > 0)
+    judgeable &= np.isfinite(grad_to_param)
+    median = np.median(grad_to_param[judgeable]) if judgeable.any() else np.nan
+    tiny = judgeable & (grad_to_param < median / tiny_factor)
+    state = np.full(len(has_grad), "finite", dtype=object)
+    state[tiny] = "tiny"
+    state[has_grad & (nonzero == 0)] = "zero"
+    state[has_grad & (nonfinite > 0)] = "nonfinite"
+    state[~has_grad] = "none"
+    return state
+
+
+class Probe:
+    """Collects the metrics of ``modules.parquet`` for one network."""
+
+    def __init__(self, net: nn.Module, cfg, total_steps: int) -> None:
+        self.cfg = cfg
+        self.total_steps = total_steps
+        self.names: List[str] = []
+        self.params: List[torch.Tensor] = []
+        self.module_of: List[str] = []
+        self.param_of: List[str] = []
+        self.kind_of: List[str] = []
+        self.hooked: Dict[str, nn.Module] = {}
+        for mod_name, module in net.named_modules():
+            own = list(module.named_parameters(recurse=False))
+            if own:
+                self.hooked[mod_name] = module
+        seen = set()
+        for mod_name, module in net.named_modules():
+            for p_name, p in module.named_parameters(recurse=False):
+                if id(p) in seen:  # a tied weight is one tensor: record it once
+                    continue
+                seen.add(id(p))
+                self.names.append(f"{mod_name}.{p_name}" if mod_name else p_name)
+                self.params.append(p)
+                self.module_of.append(mod_name or "<root>")
+                self.param_of.append(p_name)
+                self.kind_of.append(module_kind(module))
+        self.numel = np.array([p.numel() for p in self.params], dtype=np.float64)
+        self._buffer: Optional[List[torch.Tensor]] = None
+        self._handles: list = []
+        self._act: Dict[str, torch.Tensor] = {}
+        self._act_grad: Dict[str, torch.Tensor] = {}
+        self._contrib: Dict[str, List[torch.Tensor]] = {}
+        self._pending: Optional[dict] = None
+        self.loss_scale = 1.0
+
+    # -- scheduling -------------------------------------------------------------------
+    def logs(self, step: int) -> bool:
+        return step % self.cfg.every == 0 or step == self.total_steps - 1
+
+    # -- forward/backward hooks (armed on logged steps only) ---------------------------
+    def arm(self) -> None:
+        self._act.clear()
+        self._act_grad.clear()
+        self._contrib.clear()
+        if not self.cfg.activations:
+            return
+        for name, module in self.hooked.items():
+            self._handles.append(module.register_forward_hook(self._forward_hook(name)))
+
+    def disarm(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _forward_hook(self, name: str):
+        n = self.cfg.act_sample
+
+        def hook(module, inputs, output):
+            out = output[0] if isinstance(output, (tuple, list)) else output
+            # A module called twice in one step (SimSiam's two views) is recorded once: the first call.
+            if name in self._act or not torch.is_tensor(out) or not out.is_floating_point():
+                return
+            sample = out.detach()[:n].float()
+            var, mean = torch.var_mean(sample)
+            self._act[name] = torch.stack([mean, var.sqrt()])
+            if out.requires_grad:
+                out.register_hook(self._grad_hook(name))
+
+        return hook
+
+    def _grad_hook(self, name: str):
+        n = self.cfg.act_sample
+
+        def hook(grad: torch.Tensor) -> None:
+            if name in self._act_grad:  # only the main backward, not task-contribution passes
+                return
+            g = grad.detach()[:n].float()
+            nonzero = torch.count_nonzero(g)
+            zeros = g.numel() - nonzero
+            small = (g.abs() <= FP16_FLUSH).sum()  # includes the zeros
+            # std is reported without the loss scale; the zero/flush counts are of the
+            # values backward actually carried (scaled), which is what fp16 has to hold.
+            self._act_grad[name] = torch.stack(
+                [g.std() / self.loss_scale, zeros.float(), (small - zeros).float(), nonzero.float()]
+            )
+
+        return hook
+
+    # -- task contribution -------------------------------------------------------------
+    def contribution(self, terms: Dict[str, torch.Tensor]) -> None:
+        """Per loss term, the gradient norm that term alone sends to each parameter.
+        Runs after the main backward, which kept the graph (``retain_graph``) for it."""
+        trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
+        for term_name, term in terms.items():
+            grads = torch.autograd.grad(
+                term, [self.params[i] for i in trainable], retain_graph=True, allow_unused=True
+            )
+            values = [torch.full((), float("nan"), device=term.device)] * len(self.params)
+            present = [(i, g) for i, g in zip(trainable, grads) if g is not None]
+            for (i, _), norm in zip(present, _norms([g.float() for _, g in present])):
+                values[i] = norm
+            self._contrib[term_name] = values
+
+    # -- gradients (after backward, before the optimizer step) ---------------------------
+    def collect(self) -> None:
+        grads = [p.grad for p in self.params]
+        have = [i for i, g in enumerate(grads) if g is not None]
+        gs = [grads[i].detach() for i in have]
+        device = self.params[0].device
+        g_norm = _norms([g.float() for g in gs])
+        nonzero = [torch.count_nonzero(g) for g in gs]
+        small = [(g.abs() <= FP16_FLUSH).sum() for g in gs]
+        params = [p.detach() for p in self.params]
+        p_norm = _norms([p.float() for p in params])
+        # One copy of the parameters (kept between logged steps) for update/param ratios.
+        if self._buffer is None:
+            self._buffer = [p.clone() for p in params]
+        elif hasattr(torch, "_foreach_copy_"):
+            torch._foreach_copy_(self._buffer, params)
+        else:
+            for b, p in zip(self._buffer, params):
+                b.copy_(p)
+        if gs:
+            per_grad = torch.stack(
+                [torch.stack(g_norm).double(), torch.stack(nonzero).double(), torch.stack(small).double()]
+            )
+        else:
+            per_grad = torch.zeros(3, 0, dtype=torch.float64, device=device)
+        self._pending = {"have": have, "per_grad": per_grad, "p_norm": torch.stack(p_norm).double(), "grads": gs}
+
+    # -- after the optimizer step: update ratios and the one host transfer ---------------
+    def after_step(self, step: int) -> Dict[str, np.ndarray]:
+        pending = self._pending
+        self._pending = None
+        params = [p.detach() for p in self.params]
+        if hasattr(torch, "_foreach_sub_"):
+            torch._foreach_sub_(self._buffer, params)  # before - after
+        else:
+            for b, p in zip(self._buffer, params):
+                b.sub_(p)
+        u_norm = torch.stack(_norms([b.float() for b in self._buffer])).double()
+        act_names = [m for m in self.module_of]
+        act = [self._act.get(m) for m in act_names]
+        act_grad = [self._act_grad.get(m) for m in act_names]
+        nan2 = torch.full((2,), float("nan"), device=u_norm.device)
+        nan4 = torch.full((4,), float("nan"), device=u_norm.device)
+        parts = [
+            pending["per_grad"].reshape(-1),
+            pending["p_norm"],
+            u_norm,
+            torch.stack([a if a is not None else nan2 for a in act]).double().reshape(-1),
+            torch.stack([a if a is not None else nan4 for a in act_grad]).double().reshape(-1),
+        ]
+        contrib_names = list(self._contrib)
+        for name in contrib_names:
+            parts.append(torch.stack(self._contrib[name]).double())
+        flat = torch.cat([p.to(u_norm.device) for p in parts]).cpu().numpy()  # the one transfer
+
+        n, h = len(self.params), len(pending["have"])
+        offset = 0
+
+        def take(size: int) -> np.ndarray:
+            nonlocal offset
+            out = flat[offset : offset + size]
+            offset += size
+            return out
+
+        per_grad = take(3 * h).reshape(3, h)
+        p_norm, u_norm_h = take(n), take(n)
+        act_h = take(2 * n).reshape(n, 2)
+        act_grad_h = take(4 * n).reshape(n, 4)
+        contrib = {name: take(n) for name in contrib_names}
+
+        have = np.zeros(n, dtype=bool)
+        have[pending["have"]] = True
+        g_norm = np.full(n, np.nan)
+        nonzero = np.zeros(n)
+        small = np.zeros(n)
+        g_norm[have], nonzero[have], small[have] = per_grad
+        nonfinite = np.zeros(n)
+        for j, i in enumerate(pending["have"]):
+            if not math.isfinite(g_norm[i]):  # rare: count exactly, one extra sync
+                nonfinite[i] = float((~torch.isfinite(pending["grads"][j])).sum())
+        numel = np.maximum(self.numel, 1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            # A zero-initialised tensor (a bias, BN's beta) has no meaningful ratio: NaN.
+            safe_p = np.where(p_norm > 0, p_norm, np.nan)
+            g_to_p = g_norm / safe_p
+            u_to_p = u_norm_h / safe_p
+            flush = np.where(nonzero > 0, (small - (self.numel - nonzero)) / nonzero, np.nan)
+            ag_zero = act_grad_h[:, 1] / (act_grad_h[:, 1] + act_grad_h[:, 3])
+            ag_flush = np.where(act_grad_h[:, 3] > 0, act_grad_h[:, 2] / act_grad_h[:, 3], np.nan)
+        state = grad_states(have, nonfinite, nonzero, g_to_p, p_norm, self.cfg.tiny_factor)
+        columns: Dict[str, np.ndarray] = {
+            "step": np.full(n, step, dtype=np.int64),
+            "module": np.array(self.module_of, dtype=object),
+            "param": np.array(self.param_of, dtype=object),
+            "param_type": np.array(self.kind_of, dtype=object),
+            "numel": self.numel.astype(np.int64),
+            "grad_state": state,
+            "grad_norm": g_norm,
+            "param_norm": p_norm,
+            "grad_to_param": g_to_p,
+            "update_to_param": u_to_p,
+            "frac_none": (~have).astype(np.float64),
+            "frac_zero": np.where(have, (self.numel - nonzero) / numel, np.nan),
+            "frac_nonfinite": np.where(have, nonfinite / numel, np.nan),
+            "frac_fp16_underflow": flush,
+            "act_mean": act_h[:, 0],
+            "act_std": act_h[:, 1],
+            "act_grad_std": act_grad_h[:, 0],
+            "act_grad_frac_zero": ag_zero,
+            "act_grad_frac_fp16_underflow": ag_flush,
+        }
+        for name, values in contrib.items():
+            columns[f"contrib_{name}"] = values
+        return columns

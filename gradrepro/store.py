@@ -1,0 +1,110 @@
+"""The run directory: records kept in memory, written atomically (write, then rename).
+
+A killed run never leaves a half file: every write goes to a temporary file in the same
+folder and replaces the target with ``os.replace``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+import numpy as np
+import pandas as pd
+
+SUMMARY = "summary.json"
+SCALARS = "scalars.parquet"
+MODULES = "modules.parquet"
+FIGURE = "signals.png"
+
+
+def atomic_write(path: Path, write: Callable[[str], None]) -> None:
+    """Call ``write(tmp_path)``, then move the finished file onto ``path``."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    if isinstance(value, np.bool_):
+        return bool(value)
+    return str(value)
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN/Infinity: write them as null (and say so in the contract)."""
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_json(path: Path, data: Dict[str, Any]) -> None:
+    text = json.dumps(_clean(data), indent=2, default=_json_default, allow_nan=False)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text + "\n"))
+
+
+class Records:
+    """Scalars (one row per logged step) and module rows (one per logged step x tensor)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.scalar_rows: List[Dict[str, float]] = []
+        self.module_blocks: List[Dict[str, np.ndarray]] = []
+
+    def add_scalars(self, row: Dict[str, float]) -> None:
+        self.scalar_rows.append(row)
+
+    def add_modules(self, columns: Dict[str, np.ndarray]) -> None:
+        self.module_blocks.append(columns)
+
+    def scalars(self) -> pd.DataFrame:
+        df = pd.DataFrame(self.scalar_rows)
+        if df.empty:
+            return pd.DataFrame({"step": pd.Series(dtype="int64"), "loss": pd.Series(dtype="float64")})
+        # Training and evaluation may both log a step: one row per step, first value wins.
+        return df.groupby("step", sort=True).first().reset_index()
+
+    def modules(self) -> pd.DataFrame:
+        if not self.module_blocks:
+            return pd.DataFrame({"step": pd.Series(dtype="int64"), "module": pd.Series(dtype="object")})
+        keys = list(self.module_blocks[0])
+        for block in self.module_blocks[1:]:
+            keys += [k for k in block if k not in keys]
+        columns = {}
+        for key in keys:
+            parts = []
+            for block in self.module_blocks:
+                n = len(block["step"])
+                parts.append(block[key] if key in block else np.full(n, np.nan))
+            columns[key] = np.concatenate(parts)
+        return pd.DataFrame(columns)
+
+    def flush(self) -> None:
+        """Write both Parquet files (atomically); safe to call at any time."""
+        scalars, modules = self.scalars(), self.modules()
+        atomic_write(self.run_dir / SCALARS, lambda tmp: scalars.to_parquet(tmp, index=False))
+        atomic_write(self.run_dir / MODULES, lambda tmp: modules.to_parquet(tmp, index=False))
+
+
+def read_run(run_dir: Path) -> tuple[Dict[str, Any], pd.DataFrame, pd.DataFrame]:
+    """(summary, scalars, modules) of a finished run directory."""
+    run_dir = Path(run_dir)
+    summary = json.loads((run_dir / SUMMARY).read_text())
+    return summary, pd.read_parquet(run_dir / SCALARS), pd.read_parquet(run_dir / MODULES)
