@@ -30,7 +30,7 @@ class PatternsConfig(DataBase):
     num_classes: int = 10
     template_size: int = 4
     amplitude: float = 2.0
-    background_std: float = 3.0
+    background_std: float = 2.0
     background_grid: int = 4  # the background is bilinear noise on a grid this coarse
     pixel_noise: float = 0.5
     jitter: int = 1  # each view moves the template by up to this many pixels

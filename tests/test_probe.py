@@ -1,0 +1,140 @@
+"""The probe's numbers against hand-computed values on a 2-layer model, and the gradient
+states kept apart: none vs zero vs tiny vs non-finite."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from gradrepro.config import ProbeConfig
+from gradrepro.probe import FP16_FLUSH, Probe, grad_states
+
+
+def two_layer() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def probe_step(net, x, loss_fn, cfg=None, lr=0.1):
+    probe = Probe(net, cfg or ProbeConfig(every=1, act_sample=1000), total_steps=1)
+    opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=lr)
+    probe.arm()
+    loss = loss_fn(net(x))
+    loss.backward()
+    probe.collect()
+    opt.step()
+    probe.disarm()
+    return probe.after_step(0)
+
+
+def test_norms_and_ratios_match_hand_computation():
+    net = two_layer()
+    x = torch.randn(5, 3)
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    # Hand computation first, on a copy of the same network.
+    ref = two_layer()
+    ref(x).pow(2).sum().backward()
+    cols = probe_step(net, x, lambda y: y.pow(2).sum(), lr=0.1)
+    names = [f"{m}.{p}" for m, p in zip(cols["module"], cols["param"])]
+    assert names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    for i, (name, p_ref) in enumerate(ref.named_parameters()):
+        g = p_ref.grad
+        assert cols["grad_norm"][i] == pytest.approx(g.norm().item(), rel=1e-5)
+        assert cols["param_norm"][i] == pytest.approx(before[name].norm().item(), rel=1e-5)
+        assert cols["grad_to_param"][i] == pytest.approx(g.norm().item() / before[name].norm().item(), rel=1e-5)
+        # One SGD step of lr 0.1 moves the parameter by 0.1 * grad.
+        assert cols["update_to_param"][i] == pytest.approx(0.1 * g.norm().item() / before[name].norm().item(), rel=1e-4)
+        assert cols["grad_state"][i] == "finite"
+        assert cols["frac_none"][i] == 0.0
+
+
+def test_activation_statistics_match_module_outputs():
+    net = two_layer()
+    x = torch.randn(6, 3)
+    h = net[0](x)
+    out = net(x)
+    cols = probe_step(net, x, lambda y: y.sum())
+    first = list(cols["module"]).index("0")
+    assert cols["act_mean"][first] == pytest.approx(h.mean().item(), rel=1e-5)
+    assert cols["act_std"][first] == pytest.approx(h.std().item(), rel=1e-5)
+    last = list(cols["module"]).index("2")
+    assert cols["act_mean"][last] == pytest.approx(out.mean().item(), rel=1e-5)
+    # d(sum)/d(out) is all ones: its std is zero.
+    assert cols["act_grad_std"][last] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_none_zero_nonfinite_and_fp16_underflow_are_separate_states():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = nn.Linear(2, 1)
+            self.unused = nn.Linear(2, 1)  # no path from the loss: none
+            self.dead = nn.Linear(2, 1)  # multiplied by zero: exact zeros
+            self.broken = nn.Linear(2, 1)  # multiplied by inf: non-finite
+            self.small = nn.Linear(2, 1)  # gradients below fp16's smallest subnormal
+
+        def forward(self, x):
+            return (self.used(x) + 0.0 * self.dead(x) + float("inf") * self.broken(x)
+                    + 1e-9 * self.small(x))
+
+    torch.manual_seed(0)
+    net = Net()
+    cols = probe_step(net, torch.ones(4, 2), lambda y: y.sum(), cfg=ProbeConfig(every=1, tiny_factor=1e30))
+    state = dict(zip([f"{m}.{p}" for m, p in zip(cols["module"], cols["param"])], cols["grad_state"]))
+    assert state["unused.weight"] == "none" and state["unused.bias"] == "none"
+    assert state["dead.weight"] == "zero" and state["dead.bias"] == "zero"
+    assert state["broken.weight"] == "nonfinite"
+    assert state["used.weight"] == "finite"
+    idx = {f"{m}.{p}": i for i, (m, p) in enumerate(zip(cols["module"], cols["param"]))}
+    assert cols["frac_none"][idx["unused.weight"]] == 1.0
+    assert math.isnan(cols["grad_norm"][idx["unused.weight"]])
+    assert cols["frac_zero"][idx["dead.weight"]] == 1.0
+    assert cols["frac_nonfinite"][idx["broken.weight"]] == 1.0
+    # 4 examples x 1e-9 = 4e-9 per entry: below 2^-25 (~3e-8), so all flush in fp16.
+    assert cols["frac_fp16_underflow"][idx["small.weight"]] == 1.0
+    assert cols["frac_fp16_underflow"][idx["used.weight"]] == 0.0
+
+
+def test_fp16_flush_threshold_is_ieee_round_to_nearest():
+    below = torch.tensor([FP16_FLUSH, FP16_FLUSH * 0.9], dtype=torch.float32)
+    above = torch.tensor([FP16_FLUSH * 1.01, 2.0**-24], dtype=torch.float32)
+    assert (below.half() == 0).all()
+    assert (above.half() != 0).all()
+
+
+def test_tiny_is_judged_against_the_median_not_the_maximum():
+    has = np.ones(5, dtype=bool)
+    ratios = np.array([1e-2, 1e-3, 1e-3, 1e-4, 1e-9])
+    state = grad_states(has, np.zeros(5), np.ones(5), ratios, np.ones(5), tiny_factor=1e4)
+    assert list(state) == ["finite", "finite", "finite", "finite", "tiny"]
+    # The same spread without the outlier is healthy: no tiny.
+    state = grad_states(has[:4], np.zeros(4), np.ones(4), ratios[:4], np.ones(4), tiny_factor=1e4)
+    assert "tiny" not in list(state)
+
+
+def test_probe_runs_nothing_on_unlogged_steps():
+    net = two_layer()
+    probe = Probe(net, ProbeConfig(every=4), total_steps=10)
+    assert [s for s in range(10) if probe.logs(s)] == [0, 4, 8, 9]
+    assert probe._handles == []  # no hooks until armed
+
+
+def test_task_contribution_splits_gradient_by_loss_term():
+    net = two_layer()
+    x = torch.randn(5, 3)
+    probe = Probe(net, ProbeConfig(every=1), total_steps=1)
+    probe.arm()
+    y = net(x)
+    terms = {"first": y[:, 0].sum(), "second": 0.0 * y[:, 1].sum()}
+    (terms["first"] + terms["second"]).backward(retain_graph=True)
+    probe.contribution(terms)
+    probe.collect()
+    probe.disarm()
+    cols = probe.after_step(0)
+    # The zero-weighted term sends nothing; the other term sends the whole gradient.
+    np.testing.assert_allclose(cols["contrib_second"], 0.0, atol=1e-12)
+    np.testing.assert_allclose(cols["contrib_first"], cols["grad_norm"], rtol=1e-5)
