@@ -114,6 +114,21 @@ def _sweep_variants(overrides: List[str]) -> List[List[str]]:
     return variants
 
 
+def _compose_without_failing_key(exc: BaseException, overrides: List[str]):
+    """The config without the override that named an unknown key, to list the valid keys."""
+    from hydra import compose
+
+    cause = exc.__cause__ or exc.__context__
+    full_key = getattr(exc, "full_key", None) or getattr(cause, "full_key", None)
+    if not full_key:
+        return None
+    kept = [o for o in overrides if o.lstrip("+~").split("=")[0] != full_key]
+    try:
+        return compose(config_name="config", overrides=[o for o in kept if not o.startswith("hydra")])
+    except Exception:
+        return None
+
+
 def preflight(argv: Sequence[str]) -> None:
     """Compose and validate the config(s) that ``argv`` asks for; raise UserError if bad."""
     global _last_cfg
@@ -141,6 +156,7 @@ def preflight(argv: Sequence[str]) -> None:
                 except UserError:
                     raise
                 except Exception as exc:
+                    _last_cfg = _compose_without_failing_key(exc, variant)
                     raise UserError(explain(exc)) from None
                 validate(cfg)
     finally:

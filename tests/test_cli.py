@@ -1,0 +1,124 @@
+"""End to end through the real CLI at scale=tiny: every experiment writes the run
+directory of the contract (DESIGN.md), and bad input is one line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from conftest import ROOT, experiment_names, run_cli
+
+SUMMARY_KEYS = {
+    "experiment", "control", "reproduced", "checks", "paper", "status", "steps", "wall_s",
+    "seed", "overrides", "versions", "device",
+}
+MODULE_COLUMNS = {
+    "step", "module", "param", "param_type", "grad_state", "grad_norm", "param_norm",
+    "grad_to_param", "update_to_param", "frac_none", "frac_zero", "frac_nonfinite",
+    "frac_fp16_underflow", "act_mean", "act_std", "act_grad_std",
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_sweep(tmp_path_factory):
+    """Every experiment at scale=tiny in one multirun (one process: fast)."""
+    out = tmp_path_factory.mktemp("sweep")
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradrepro", "-m", f"experiment={','.join(experiment_names())}",
+         "scale=tiny", f"hydra.sweep.dir={out}", "hydra.sweep.subdir=${name}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("experiment", experiment_names())
+def test_every_experiment_writes_the_run_directory_contract(tiny_sweep, experiment):
+    name = experiment.split("/")[-1]
+    candidates = [p for p in tiny_sweep.iterdir() if p.is_dir()]
+    run_dir = next(p for p in candidates if json.loads((p / "summary.json").read_text())["experiment"] in (experiment, name))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(summary)
+    assert summary["status"] == "completed"
+    assert isinstance(summary["reproduced"], bool)
+    for check in summary["checks"]:
+        assert {"metric", "observed", "op", "threshold", "ok"} <= set(check)
+    assert {"python", "torch", "gradrepro", "git_commit"} <= set(summary["versions"])
+    scalars = pd.read_parquet(run_dir / "scalars.parquet")
+    assert {"step", "loss"} <= set(scalars.columns)
+    assert scalars["step"].is_monotonic_increasing and scalars["step"].is_unique
+    modules = pd.read_parquet(run_dir / "modules.parquet")
+    assert MODULE_COLUMNS <= set(modules.columns)
+    assert len(modules) > 0
+    assert set(modules["grad_state"]) <= {"none", "zero", "tiny", "finite", "nonfinite"}
+    assert (run_dir / "signals.png").stat().st_size > 10_000
+    assert (run_dir / ".hydra" / "config.yaml").exists()
+
+
+def test_single_run_prints_the_verdict_table(cli):
+    result = cli("experiment=simsiam_nostopgrad", "scale=tiny")
+    assert result.returncode == 0, result.stderr
+    assert "simsiam_nostopgrad: signature" in result.stdout
+    assert "paper" in result.stdout and "observed" in result.stdout
+    assert result.summary["control"] == "simsiam_baseline"
+    assert "objective.stop_gradient" not in result.summary["overrides"]  # the experiment sets it
+    # The run's key scalars are recorded: collapse statistic and k-NN accuracy.
+    assert {"z_std", "knn_acc"} <= set(result.scalars.columns)
+    assert "knn_acc_init" in result.summary["constants"]
+    # SimSiam has two loss terms: their separate contributions are recorded per module.
+    assert {"contrib_p1_z2", "contrib_p2_z1"} <= set(result.modules.columns)
+
+
+def test_nostopgrad_is_one_knob_away_from_its_control():
+    from omegaconf import OmegaConf
+
+    from conftest import compose_config
+
+    def flat(cfg):
+        return pd.json_normalize(OmegaConf.to_container(cfg, resolve=True), sep=".").iloc[0].to_dict()
+
+    base = flat(compose_config(["experiment=simsiam_baseline"]))
+    ablation = flat(compose_config(["experiment=simsiam_nostopgrad"]))
+    changed = {k for k in base.keys() | ablation.keys() if base.get(k) != ablation.get(k)}
+    bookkeeping = {"name", "control", "claim", "signature.checks"}
+    assert {k for k in changed if not k.startswith("paper.")} - bookkeeping == {"objective.stop_gradient"}
+
+
+BAD_INPUTS = [
+    ("experiment=simsiam_nostopgrd", "did you mean 'simsiam_nostopgrad'"),
+    ("train.stesp=3", "train.stesp"),
+    ("train.steps=abc", "train.steps"),
+    ("train.steps=-1", "train.steps=-1 must be >= 0"),
+    ("probe.every=0", "probe.every=0 must be > 0"),
+    ("optim.lr=0", "optim.lr=0"),
+    ("model=resnet99", "valid choices"),
+    ("data=cifar10", "does not hold CIFAR-10"),
+    ("device=tpu", "choose one of: auto, cpu, cuda"),
+]
+
+
+@pytest.mark.parametrize("override, expected", BAD_INPUTS)
+def test_preflight_names_the_problem(override, expected):
+    from gradrepro.cli import preflight
+    from gradrepro.errors import UserError
+
+    with pytest.raises(UserError) as info:
+        preflight(["experiment=simsiam_baseline", override, "scale=tiny"])
+    message = str(info.value)
+    assert expected in message and "\n" not in message
+
+
+@pytest.mark.parametrize("override", ["train.stesp=3", "experiment=nope"])
+def test_bad_input_is_one_line_and_exit_code_2(cli, override):
+    result = cli("experiment=simsiam_baseline", override, "scale=tiny")
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("gradrepro: error: ")
+    assert "Traceback" not in result.stderr
+    assert not (result.run_dir / "summary.json").exists()
