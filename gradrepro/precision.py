@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import ContextManager, Iterator
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 
 import numpy as np
 import pandas as pd
@@ -100,7 +101,7 @@ class Precision:
             # GradScaler's defaults: init_scale 65536, growth 2, backoff 0.5, interval 2000.
             self.scaler = torch.amp.GradScaler(device.type)
 
-    def autocast(self) -> ContextManager:
+    def autocast(self) -> AbstractContextManager:
         if self.mode == "fp16":
             return torch.autocast(self.device.type, dtype=torch.float16)
         if self.mode == "fp16_emulated":
@@ -184,7 +185,7 @@ def flush_fraction(counts: pd.Series, at_scale_ratio: float = 1.0) -> float:
 
 
 @metric("act_grad_flush")
-def act_grad_flush(records: RunRecords, window: int, at_scale: float = None, pooled: bool = True) -> float:
+def act_grad_flush(records: RunRecords, window: int, at_scale: float | None = None, pooled: bool = True) -> float:
     """Fraction of non-zero activation gradients (all modules pooled, last ``window`` logged
     steps) that flush to zero in fp16. ``at_scale``: as if the loss scale had been this value
     instead of the run's (from the histogram; needs ``probe.act_grad_hist=true``). Without

@@ -13,9 +13,9 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import compose_config
 from torch import nn
 
-from conftest import compose_config
 from gradrepro.config import PrecisionConfig, ProbeConfig
 from gradrepro.precision import Precision, RoundGradToFP16, flush_fraction, round_to_fp16
 from gradrepro.probe import HIST_COLUMNS, Probe, log2_histogram
