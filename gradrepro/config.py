@@ -57,9 +57,14 @@ class InitConfig:
 
 @dataclass
 class PrecisionConfig:
-    mode: str = "fp32"  # fp32 | fp16 (torch.autocast + GradScaler)
+    # fp32 | fp16 (torch.autocast, fp32 master weights) | fp16_emulated (fp32 arithmetic,
+    # every activation and weight gradient rounded to fp16): see precision.py.
+    mode: str = "fp32"
     # A number for a static loss scale, or "dynamic" for GradScaler's defaults.
     loss_scale: Any = 1.0
+    # c: loss x c before backward, weight gradients / c in fp32 after it. A power of two,
+    # so fp32 training is bit-identical; it moves the gradient histogram by log2(c) octaves.
+    loss_shift: float = 1.0
 
 
 @dataclass
@@ -71,6 +76,9 @@ class ProbeConfig:
     tiny_factor: float = 1e4
     # Per loss term, the gradient norm each term alone sends to each parameter.
     task_contribution: bool = True
+    # Per module, counts of log2|activation gradient| from 2^-40 to 2^0 plus an exact-zero
+    # bin (probe.HIST_COLUMNS), as columns of modules.parquet. Off by default (43 columns).
+    act_grad_hist: bool = False
 
 
 @dataclass
@@ -226,6 +234,13 @@ def validate(cfg: Any) -> None:
                 f"precision.loss_scale={cfg.precision.loss_scale!r} must be a number > 0 or 'dynamic'"
             ) from None
         positive("precision.loss_scale", scale)
+    from gradrepro.precision import is_power_of_two
+
+    if not is_power_of_two(cfg.precision.loss_shift):
+        raise UserError(
+            f"precision.loss_shift={cfg.precision.loss_shift} must be a power of two (e.g. 2^-16 = "
+            "1.52587890625e-05) so that it leaves fp32 training bit-identical"
+        )
     choice("device", cfg.device, ("auto", "cpu", "cuda"))
     if cfg.device == "cuda":
         import torch

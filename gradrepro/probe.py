@@ -26,6 +26,27 @@ FP16_FLUSH = 2.0**-25
 
 GRAD_STATES = ("none", "zero", "tiny", "finite", "nonfinite")
 
+# Activation-gradient histogram (probe.act_grad_hist): octaves [2^k, 2^(k+1)) for k = -40..-1,
+# plus an exact-zero bin, a bin below 2^-40 and one at or above 2^0 (inf included). SSD's
+# band [2^-27, 2^-24) is bins -27..-25 (Micikevicius et al. 2018, Fig. 3).
+HIST_EDGES = list(range(-40, 1))  # bin boundaries in log2 units
+HIST_COLUMNS = (
+    ["act_grad_hist_zero", "act_grad_hist_below"]
+    + [f"act_grad_hist_{k}" for k in HIST_EDGES[:-1]]
+    + ["act_grad_hist_above"]
+)
+
+
+def log2_histogram(g: torch.Tensor) -> torch.Tensor:
+    """Counts of |g| per HIST_COLUMNS bin, in one bucketize and one bincount (no host sync)."""
+    a = g.detach().abs().float().reshape(-1)
+    edges = torch.tensor(HIST_EDGES, dtype=torch.float32, device=a.device)
+    # right=True: index i holds edges[i-1] <= log2|g| < edges[i]; 0 is below 2^-40 (and zero).
+    idx = torch.bucketize(torch.log2(a), edges, right=True) + 1
+    idx = torch.where(a == 0, torch.zeros_like(idx), idx)  # the exact-zero bin
+    idx = torch.where(torch.isnan(a), torch.full_like(idx, len(HIST_COLUMNS) - 1), idx)
+    return torch.bincount(idx, minlength=len(HIST_COLUMNS)).float()
+
 _KINDS = (
     (nn.modules.conv._ConvNd, "conv"),
     (nn.Linear, "linear"),
@@ -106,6 +127,7 @@ class Probe:
         self._handles: list = []
         self._act: Dict[str, torch.Tensor] = {}
         self._act_grad: Dict[str, torch.Tensor] = {}
+        self._act_grad_hist: Dict[str, torch.Tensor] = {}
         self._contrib: Dict[str, List[torch.Tensor]] = {}
         self._pending: Optional[dict] = None
         self.loss_scale = 1.0
@@ -118,6 +140,7 @@ class Probe:
     def arm(self) -> None:
         self._act.clear()
         self._act_grad.clear()
+        self._act_grad_hist.clear()
         self._contrib.clear()
         if not self.cfg.activations:
             return
@@ -160,6 +183,8 @@ class Probe:
             self._act_grad[name] = torch.stack(
                 [g.std() / self.loss_scale, zeros.float(), (small - zeros).float(), nonzero.float()]
             )
+            if getattr(self.cfg, "act_grad_hist", False):
+                self._act_grad_hist[name] = log2_histogram(g)
 
         return hook
 
@@ -228,6 +253,11 @@ class Probe:
             torch.stack([a if a is not None else nan2 for a in act]).double().reshape(-1),
             torch.stack([a if a is not None else nan4 for a in act_grad]).double().reshape(-1),
         ]
+        hist = None
+        if self._act_grad_hist:  # optional: one row of HIST_COLUMNS counts per module
+            nan_h = torch.full((len(HIST_COLUMNS),), float("nan"), device=u_norm.device)
+            hist = [self._act_grad_hist.get(m, nan_h) for m in act_names]
+            parts.append(torch.stack(hist).double().reshape(-1))
         contrib_names = list(self._contrib)
         for name in contrib_names:
             parts.append(torch.stack(self._contrib[name]).double())
@@ -246,6 +276,7 @@ class Probe:
         p_norm, u_norm_h = take(n), take(n)
         act_h = take(2 * n).reshape(n, 2)
         act_grad_h = take(4 * n).reshape(n, 4)
+        hist_h = take(len(HIST_COLUMNS) * n).reshape(n, -1) if hist is not None else None
         contrib = {name: take(n) for name in contrib_names}
 
         have = np.zeros(n, dtype=bool)
@@ -289,6 +320,8 @@ class Probe:
             "act_grad_frac_zero": ag_zero,
             "act_grad_frac_fp16_underflow": ag_flush,
         }
+        if hist_h is not None:
+            columns.update({col: hist_h[:, j] for j, col in enumerate(HIST_COLUMNS)})
         for name, values in contrib.items():
             columns[f"contrib_{name}"] = values
         return columns
