@@ -117,6 +117,9 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     signature: SignatureConfig = field(default_factory=SignatureConfig)
+    # Reference runs, name -> experiment: run after this one with the same seed, scale,
+    # device and step budget, into run_dir/references/NAME, for checks ``relative_to`` NAME.
+    references: Dict[str, str] = field(default_factory=dict)
     paper: Dict[str, Any] = field(default_factory=dict)
 
 

@@ -211,11 +211,3 @@ def act_grad_flush_vs_unscaled(records: RunRecords, window: int) -> float:
     scaled = act_grad_flush(records, window)
     unscaled = act_grad_flush(records, window, at_scale=1.0)
     return scaled / unscaled if unscaled > 0 else math.nan
-
-
-@metric("steps_logged")
-def steps_logged(records: RunRecords, window: int, column: str = "loss_scale") -> float:
-    """How many logged steps recorded ``column`` (a record exists, e.g. the scale trajectory)."""
-    if column not in records.scalars:
-        return 0.0
-    return float(records.scalars[column].notna().sum())

@@ -110,6 +110,56 @@ def progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, disable=not sys.stderr.isatty(), leave=False, dynamic_ncols=True)
 
 
+# Overrides a reference run shares with the run that asked for it: what makes two runs
+# comparable (seed, size, device, budget), not the knob under study.
+REFERENCE_CARRY = ("seed", "scale", "device", "threads", "train.steps")
+_REFERENCE_MARK = "+_reference_of"
+
+
+def _is_reference(overrides: Sequence[str]) -> bool:
+    return any(o.startswith(_REFERENCE_MARK) for o in overrides)
+
+
+def compose_experiment(overrides: Sequence[str]) -> DictConfig:
+    """Compose a config inside a running Hydra app, or standalone (tests, notebooks)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from gradrepro.cli import CONFIG_DIR
+    from gradrepro.config import register_configs
+
+    register_configs()
+    if GlobalHydra.instance().is_initialized():
+        return compose(config_name="config", overrides=list(overrides))
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def run_references(cfg: DictConfig, run_dir: Path, overrides: Sequence[str]):
+    """Run each reference experiment (same seed, scale, device, budget) into
+    run_dir/references/NAME and return (records by name, their summaries' essentials)."""
+    import contextlib
+    import io
+
+    carried = [o for o in overrides if o.split("=")[0].lstrip("+~") in REFERENCE_CARRY]
+    if not any(o.startswith("seed=") for o in carried):
+        carried.append(f"seed={cfg.seed}")
+    records, runs = {}, {}
+    for name, experiment in cfg.references.items():
+        ref_overrides = [f"experiment={experiment}", *carried]
+        ref_cfg = compose_experiment(ref_overrides)
+        ref_dir = run_dir / "references" / name
+        log.info("reference %s: experiment=%s", name, experiment)
+        with contextlib.redirect_stdout(io.StringIO()):
+            summary = run(ref_cfg, ref_dir, [*ref_overrides, f"{_REFERENCE_MARK}={cfg.name}"])
+        _, scalars, modules = store.read_run(ref_dir)
+        records[name] = RunRecords(scalars, modules, summary["constants"])
+        runs[name] = {"experiment": experiment, "overrides": ref_overrides,
+                      "status": summary["status"], "wall_s": summary["wall_s"],
+                      "run_dir": f"references/{name}"}
+    return records, runs
+
+
 def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[str, Any]:
     """Train as ``cfg`` says, write the run directory, return the summary."""
     validate(cfg)
@@ -208,7 +258,10 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
     records.flush()
 
     scalars, modules = records.scalars(), records.modules()
-    verdict = evaluate(cfg.signature, RunRecords(scalars, modules, constants))
+    references, reference_runs = {}, {}
+    if status == "completed" and cfg.references and not _is_reference(overrides):
+        references, reference_runs = run_references(cfg, run_dir, overrides)
+    verdict = evaluate(cfg.signature, RunRecords(scalars, modules, constants, references))
     summary = {
         "experiment": cfg.name,
         "control": cfg.control,
@@ -223,6 +276,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
         "seed": cfg.seed,
         "overrides": list(overrides),
         "constants": constants,
+        "references": reference_runs,
         "frozen": frozen,
         "versions": versions(),
         "device": str(device) if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})",

@@ -1,7 +1,9 @@
 """Signatures and verdicts: checks on a run's own records, as a pure function of them.
 
 An experiment's config carries ``signature.checks``: each names a metric, an operator and
-a threshold. A metric is, in this order: a registered function of the records (``METRICS``),
+a threshold. With ``params.relative_to: NAME`` a check compares the metric with the same
+metric on a reference run (config ``references``: runs of other experiments that this run
+makes itself, same seed, so the verdict still depends only on what this run recorded). A metric is, in this order: a registered function of the records (``METRICS``),
 a column of ``scalars.parquet`` reduced over the last ``window`` logged values (or as
 ``params.reduce`` says), or a constant the run recorded once (``summary.constants``).
 """
@@ -29,6 +31,8 @@ class RunRecords:
     scalars: pd.DataFrame
     modules: pd.DataFrame
     constants: Dict[str, float] = field(default_factory=dict)
+    # Records of the reference runs this run made (config ``references``), by name.
+    references: Dict[str, "RunRecords"] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,6 +91,22 @@ def reduce_series(values: pd.Series, how: str, window: int) -> float:
 def observe(name: str, records: RunRecords, window: int, params: Dict[str, Any]) -> float:
     params = dict(params)
     window = int(params.pop("window", window))
+    reference = params.pop("relative_to", None)
+    if reference is not None:
+        # The same metric on a reference run's records (e.g. the fp32 control), combined:
+        # "final loss at least 2x fp32's" is loss / loss[fp32] >= 2.
+        how = params.pop("how", "ratio")
+        if reference not in records.references:
+            raise KeyError(f"reference run {reference!r} not recorded")
+        own = observe(name, records, window, params)
+        ref = observe(name, records.references[reference], window, params)
+        if how == "ratio":
+            return own / ref if ref != 0 else math.nan
+        if how == "difference":
+            return own - ref
+        if how == "relative_difference":
+            return abs(own - ref) / abs(ref) if ref != 0 else math.nan
+        raise ValueError(f"unknown how {how!r}: choose ratio, difference or relative_difference")
     if name in METRICS:
         return float(METRICS[name](records, window=window, **params))
     column = params.pop("column", name)
