@@ -561,6 +561,7 @@ def diagnose(
         "update_norm": update_norm,
         "expected_change": expected,
         "update_rel_err": rel_err,
+        "update_ok": np.where(np.isnan(expected), np.nan, matches.astype(float)),
     })
     return Report(findings, table, loss_value, stepped, type(optimizer).__name__, notes,
                   {r.name: r.tensor for r in rows})
