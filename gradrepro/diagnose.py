@@ -206,8 +206,10 @@ class _Row:
     aliases: str = ""
 
 
-def _rows(model: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[List[_Row], List[Tuple[str, Any]],
+def parameter_rows(model: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[List[_Row], List[Tuple[str, Any]],
                                                                           List[Tuple[str, torch.Tensor]]]:
+    """Every parameter tensor: registered (probe order, tied weights once), unregistered ones
+    found in plain attributes, and tensors only the optimizer holds; with the scan's findings."""
     names: Dict[int, List[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
@@ -324,7 +326,7 @@ def diagnose(
     ``rtol``: tolerance of the update check, relative to the predicted change.
     """
     _check_inputs(model, optimizer, closure)
-    rows, unregistered, nonleaf = _rows(model, optimizer)
+    rows, unregistered, nonleaf = parameter_rows(model, optimizer)
     members: Dict[int, Tuple[int, dict]] = {}
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
@@ -492,23 +494,28 @@ def diagnose(
         if state[i] in ("finite", "tiny") and flush[i] > fp16_fraction:
             findings.append(Finding("fp16_underflow", r.name, f"{flush[i]:.0%} of its non-zero gradient entries are "
                                     f"below 2^-24 and would flush to zero in fp16", WARNING))
-    leftover: List[float] = []
+    # Stale gradients are judged on the whole model: a gradient left by one earlier backward (a
+    # loop that zeroes at the start of each step) is about as large as a fresh one in total,
+    # although single tensors vary with the batch; summed passes make it several times larger.
     before_norm = np.array([_norm(g) for g in grads_before])
-    for i, r in enumerate(rows):
-        if not r.registered or grads_before[i] is None or before_norm[i] == 0:
-            continue
-        ratio = before_norm[i] / g_norm[i] if has[i] and g_norm[i] > 0 else math.inf
-        if not math.isfinite(before_norm[i]) or ratio > stale_factor:
-            findings.append(Finding("stale_gradient", r.name, (
-                f"a gradient was already in .grad before the diagnostic backward, {ratio:.3g} times the fresh one: "
-                "backward passes are being summed (no zero_grad at the accumulation boundary)"), ERROR))
+    present = registered & np.array([g is not None for g in grads_before]) & (np.nan_to_num(before_norm, nan=1.0) > 0)
+    if present.any():
+        both = present & has
+        fresh_total = float(np.sqrt(np.sum(g_norm[both] ** 2))) if both.any() else 0.0
+        total = float(np.sqrt(np.sum(before_norm[both] ** 2))) if both.any() else math.inf
+        ratio = total / fresh_total if fresh_total > 0 else math.inf
+        if not np.isfinite(before_norm[present]).all() or ratio > stale_factor or not both.any():
+            for i in np.flatnonzero(present):
+                own = before_norm[i] / g_norm[i] if has[i] and g_norm[i] > 0 else math.inf
+                findings.append(Finding("stale_gradient", rows[i].name, (
+                    f"a gradient was already in .grad before the diagnostic backward ({own:.3g} times the fresh "
+                    f"one; {ratio:.3g} times over the model): backward passes are being summed, no zero_grad "
+                    "at the accumulation boundary"), ERROR))
         else:
-            leftover.append(ratio)
-    if leftover:
-        findings.append(Finding("leftover_gradient", "<model>", (
-            f"{len(leftover)} tensor(s) held a gradient from an earlier backward of about the size of a fresh one "
-            f"(ratio {min(leftover):.2g} to {max(leftover):.2g}): what a loop that zeroes before each backward "
-            "leaves after its step; diagnose used a fresh gradient"), INFO))
+            findings.append(Finding("leftover_gradient", "<model>", (
+                f"{int(present.sum())} tensor(s) held a gradient from an earlier backward, {ratio:.2g} times a "
+                "fresh one over the model: what a loop that zeroes before each backward leaves after its step; "
+                "diagnose used a fresh gradient"), INFO))
     if stepped:
         for i, r in enumerate(rows):
             if not requires[i] and not changed[i]:
@@ -576,6 +583,7 @@ def _scalar_lr(member: Optional[Tuple[int, dict]]) -> float:
 
 # --- an independent derivative ------------------------------------------------------------
 
+_NARROW = (torch.float16, torch.bfloat16, torch.float32)
 _INPLACE = re.compile(r"^(__i\w+__|__setitem__|\w*[^_]_)$")
 
 
@@ -591,10 +599,14 @@ class _Float64(TorchFunctionMode):
             return func(*args, **kwargs)
 
         def up(x: Any) -> Any:
-            if isinstance(x, torch.Tensor) and x.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            if isinstance(x, torch.Tensor) and x.dtype in _NARROW:
                 return x.to(torch.float64)
+            if isinstance(x, torch.dtype) and x in _NARROW:  # .to(torch.float32), dtype=torch.float32
+                return torch.float64
             return x
 
+        if name in ("float", "half", "bfloat16") and args:  # a cast down would undo the promotion
+            return up(args[0])
         if _INPLACE.match(name) and args:
             return func(args[0], *tree_map(up, tuple(args[1:])), **tree_map(up, kwargs))
         return func(*tree_map(up, tuple(args)), **tree_map(up, kwargs))

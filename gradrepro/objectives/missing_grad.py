@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradrepro.data import Batch, ImageData
-from gradrepro.diagnose import Report, check_derivative, diagnose, normalize_name
+from gradrepro.diagnose import Report, check_derivative, diagnose, normalize_name, parameter_rows
 from gradrepro.objectives.base import LossOutput
 from gradrepro.signature import RunRecords, metric
 
@@ -72,6 +72,10 @@ def copy_for_diagnosis(net: nn.Module, optimizer: torch.optim.Optimizer):
     memo = {id(v): None for m in net.modules() for v in vars(m).values()
             if isinstance(v, torch.Tensor) and not v.is_leaf}
     net_copy, opt_copy = copy.deepcopy((net, optimizer), memo)
+    # deepcopy does not copy a Parameter's .grad; a stale gradient is part of the state diagnosed.
+    for row in parameter_rows(net, optimizer)[0]:
+        if row.tensor.grad is not None and id(row.tensor) in memo:
+            memo[id(row.tensor)].grad = row.tensor.grad.detach().clone()
     # An LR scheduler wraps optimizer.step in a closure that holds a weak reference to the
     # original optimizer; a copied wrapper would step the original. Use the class's step.
     if getattr(opt_copy.__dict__.get("step"), "_wrapped_by_lr_sched", False):
