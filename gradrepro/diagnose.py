@@ -463,6 +463,9 @@ def diagnose(
                 f"the optimizer holds a {tuple(tensors[i].shape)} tensor the model no longer owns"
                 + (f" (the model's {', '.join(same)} has that shape and is not in the optimizer: "
                    "replaced after the optimizer was built?)" if same else "")), ERROR))
+    before_norm = np.array([_norm(g) for g in grads_before])
+    had_before = np.array([g is not None for g in grads_before]) & (np.nan_to_num(before_norm, nan=1.0) > 0)
+    in_opt_all = np.array([id(t) in members for t in tensors])
     for i, r in enumerate(rows):
         if not r.registered:
             continue
@@ -474,8 +477,11 @@ def diagnose(
                                     "legitimate)" + ("; the optimizer still holds it" if in_opt else ""), INFO))
             continue
         if not in_opt:
+            held = (f"; nothing zeroes its .grad, which held {before_norm[i]:.3g} before the call "
+                    f"({before_norm[i] / g_norm[i]:.3g} times a fresh gradient)"
+                    if had_before[i] and has[i] and g_norm[i] > 0 else "")
             findings.append(Finding("not_in_optimizer", r.name, "trainable and registered, but no param group holds "
-                                    "this tensor (compared by identity)", ERROR))
+                                    "this tensor (compared by identity)" + held, ERROR))
         if graph and state[i] == "none":
             why = {True: "the loss depends on it (it changes when the parameter is nudged), so the path is "
                          "severed: detach, no_grad, or a .item()/torch.tensor rebuild",
@@ -497,8 +503,9 @@ def diagnose(
     # Stale gradients are judged on the whole model: a gradient left by one earlier backward (a
     # loop that zeroes at the start of each step) is about as large as a fresh one in total,
     # although single tensors vary with the batch; summed passes make it several times larger.
-    before_norm = np.array([_norm(g) for g in grads_before])
-    present = registered & np.array([g is not None for g in grads_before]) & (np.nan_to_num(before_norm, nan=1.0) > 0)
+    # Tensors outside the optimizer are not zeroed by optimizer.zero_grad(): their accumulation is
+    # explained by their own finding (not_in_optimizer, unregistered), not by a missing boundary.
+    present = registered & in_opt_all & had_before
     if present.any():
         both = present & has
         fresh_total = float(np.sqrt(np.sum(g_norm[both] ** 2))) if both.any() else 0.0
