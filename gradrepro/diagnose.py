@@ -35,8 +35,9 @@ import contextlib
 import itertools
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
@@ -52,7 +53,7 @@ from gradrepro.update_rule import SUPPORTED, predict, rule_name, snapshot_state
 ERROR, WARNING, INFO = "error", "warning", "info"
 
 # The next check to make for each kind of finding (printed under it).
-NEXT_CHECK: Dict[str, str] = {
+NEXT_CHECK: dict[str, str] = {
     "unregistered": "hold layers in nn.ModuleList/nn.ModuleDict and trainable tensors in nn.Parameter "
     "(or register_buffer if they must not train), then rebuild the optimizer",
     "not_in_optimizer": "build the optimizer after the model's final structure; compare "
@@ -108,25 +109,25 @@ class Finding:
 
 @dataclass
 class Report:
-    findings: List[Finding]
+    findings: list[Finding]
     table: pd.DataFrame  # one row per parameter tensor (registered, unregistered, optimizer-only)
     loss: float = math.nan
     stepped: bool = False
     optimizer: str = ""
-    notes: List[str] = field(default_factory=list)
-    tensors: Dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # table name -> tensor
+    notes: list[str] = field(default_factory=list)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # table name -> tensor
 
     @property
     def ok(self) -> bool:
         """False when any finding is an error (warnings and information do not count)."""
         return not any(f.severity == ERROR for f in self.findings)
 
-    def flagged(self) -> List[Finding]:
+    def flagged(self) -> list[Finding]:
         """Errors and warnings: what a healthy model should not have."""
         return [f for f in self.findings if f.severity != INFO]
 
-    def kinds(self) -> Dict[str, List[str]]:
-        out: Dict[str, List[str]] = {}
+    def kinds(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
         for f in self.findings:
             out.setdefault(f.kind, []).append(f.name)
         return out
@@ -142,7 +143,7 @@ class Report:
         table = self.table[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}")
         lines = [head, "", table]
         order = {ERROR: 0, WARNING: 1, INFO: 2}
-        groups: Dict[Tuple[str, str], List[Finding]] = {}
+        groups: dict[tuple[str, str], list[Finding]] = {}
         for f in sorted(self.findings, key=lambda f: order[f.severity]):
             groups.setdefault((f.severity, f.kind), []).append(f)
         for (severity, kind), found in groups.items():
@@ -160,11 +161,11 @@ _SCAN_DEPTH = 3  # containers inside containers, this deep
 _SCAN_ITEMS = 256  # items looked at per container
 
 
-def _scan(model: nn.Module, known: set) -> Tuple[List[Tuple[str, Any]], List[Tuple[str, torch.Tensor]]]:
+def _scan(model: nn.Module, known: set) -> tuple[list[tuple[str, Any]], list[tuple[str, torch.Tensor]]]:
     """Plain attributes (and the lists, tuples, dicts in them) that hold modules with
     parameters ``known`` lacks or requires-grad tensors: (unregistered, non-leaf) by path."""
-    unregistered: List[Tuple[str, Any]] = []
-    nonleaf: List[Tuple[str, torch.Tensor]] = []
+    unregistered: list[tuple[str, Any]] = []
+    nonleaf: list[tuple[str, torch.Tensor]] = []
     visited: set = set()
 
     def visit(path: str, value: Any, depth: int) -> None:
@@ -206,11 +207,11 @@ class _Row:
     aliases: str = ""
 
 
-def parameter_rows(model: nn.Module, optimizer: torch.optim.Optimizer) -> Tuple[List[_Row], List[Tuple[str, Any]],
-                                                                          List[Tuple[str, torch.Tensor]]]:
+def parameter_rows(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[_Row], list[tuple[str, Any]],
+                                                                          list[tuple[str, torch.Tensor]]]:
     """Every parameter tensor: registered (probe order, tied weights once), unregistered ones
     found in plain attributes, and tensors only the optimizer holds; with the scan's findings."""
-    names: Dict[int, List[str]] = {}
+    names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     rows, seen = [], set()
@@ -261,7 +262,7 @@ def _check_loss(out: Any) -> torch.Tensor:
     if isinstance(out, (tuple, list)):
         raise DiagnoseTypeError(
             f"closure returned a {type(out).__name__} of {len(out)} items; return the scalar loss alone")
-    if isinstance(out, (float, int)) or isinstance(out, np.generic):
+    if isinstance(out, (float, int, np.generic)):
         raise DiagnoseTypeError(
             f"closure returned a Python number ({out!r}): .item() or float() cut the graph; return the loss tensor")
     if not isinstance(out, torch.Tensor):
@@ -276,7 +277,7 @@ def _check_loss(out: Any) -> torch.Tensor:
 
 # --- the transition -----------------------------------------------------------------------
 
-def _norm(t: Optional[torch.Tensor]) -> float:
+def _norm(t: torch.Tensor | None) -> float:
     return math.nan if t is None else float(torch.linalg.vector_norm(t.detach().to(torch.float64)))
 
 
@@ -286,13 +287,13 @@ def _loss_value(closure: Callable[[], Any], seed: int) -> float:
     return float(out.detach().double()) if isinstance(out, torch.Tensor) and out.numel() == 1 else math.nan
 
 
-def _loss_depends(closure: Callable[[], Any], tensor: torch.Tensor, seed: int = 0) -> Optional[bool]:
+def _loss_depends(closure: Callable[[], Any], tensor: torch.Tensor, seed: int = 0) -> bool | None:
     """Does the loss change when ``tensor`` is nudged? None when the closure is not
     deterministic under a fixed seed. The tensor is restored bit for bit."""
     saved = tensor.detach().clone()
     with torch.no_grad(), torch.random.fork_rng():
         base = _loss_value(closure, seed)
-        if not (base == _loss_value(closure, seed)):  # NaN or a closure that draws new data
+        if base != _loss_value(closure, seed):  # NaN or a closure that draws new data
             return None
         rms = float(saved.double().pow(2).mean().sqrt()) if saved.numel() else 0.0
         direction = torch.randn(saved.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
@@ -327,12 +328,12 @@ def diagnose(
     """
     _check_inputs(model, optimizer, closure)
     rows, unregistered, nonleaf = parameter_rows(model, optimizer)
-    members: Dict[int, Tuple[int, dict]] = {}
+    members: dict[int, tuple[int, dict]] = {}
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             members[id(p)] = (gi, group)
-    findings: List[Finding] = []
-    notes: List[str] = []
+    findings: list[Finding] = []
+    notes: list[str] = []
     tensors = [r.tensor for r in rows]
     grads_before = [t.grad for t in tensors]
     before = [t.detach().clone() for t in tensors]
@@ -388,7 +389,7 @@ def diagnose(
         judged = registered & has & (nonfinite == 0) & (nonzero > 0) & (p_norm > 0) & np.isfinite(g_to_p)
         median = float(np.median(g_to_p[judged])) if judged.any() else math.nan
 
-        depends: List[Optional[bool]] = [None] * n
+        depends: list[bool | None] = [None] * n
         requires = np.array([t.requires_grad for t in tensors])
         for i, r in enumerate(rows):
             if graph and probe_paths and r.registered and requires[i] and not has[i]:
@@ -402,7 +403,7 @@ def diagnose(
         if step and graph:
             try:
                 optimizer.step()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any optimizer's failure becomes one clear line
                 raise DiagnoseValueError(
                     f"optimizer.step() failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__} "
                     "(an optimizer whose step needs a closure, such as LBFGS, is not supported; use step=False)"
@@ -581,7 +582,7 @@ def diagnose(
                   {r.name: r.tensor for r in rows})
 
 
-def _scalar_lr(member: Optional[Tuple[int, dict]]) -> float:
+def _scalar_lr(member: tuple[int, dict] | None) -> float:
     if member is None:
         return math.nan
     lr = member[1].get("lr", math.nan)
@@ -619,7 +620,7 @@ class _Float64(TorchFunctionMode):
         return func(*tree_map(up, tuple(args)), **tree_map(up, kwargs))
 
 
-def _entries(index: Any, shape: torch.Size, grad: Optional[torch.Tensor], n_entries: int, seed: int) -> List[int]:
+def _entries(index: Any, shape: torch.Size, grad: torch.Tensor | None, n_entries: int, seed: int) -> list[int]:
     numel = int(np.prod(shape)) if len(shape) else 1
     if index is None:
         if numel <= n_entries:
@@ -648,10 +649,10 @@ def _entries(index: Any, shape: torch.Size, grad: Optional[torch.Tensor], n_entr
 def check_derivative(
     closure: Callable[[], torch.Tensor],
     param: torch.Tensor,
-    index: Union[None, int, Tuple[int, ...], Sequence[Any]] = None,
+    index: None | int | tuple[int, ...] | Sequence[Any] = None,
     eps: float = 1e-4,
     n_entries: int = 5,
-    model: Optional[nn.Module] = None,
+    model: nn.Module | None = None,
     seed: int = 0,
     float64: bool = True,
 ) -> float:
@@ -721,5 +722,14 @@ def check_derivative(
     return float(np.linalg.norm(auto - fd) / scale) if scale > 0 else 0.0
 
 
-__all__ = ["diagnose", "check_derivative", "Finding", "Report", "DiagnoseError", "DiagnoseTypeError",
-           "DiagnoseValueError", "NEXT_CHECK", "normalize_name"]
+__all__ = [
+    "NEXT_CHECK",
+    "DiagnoseError",
+    "DiagnoseTypeError",
+    "DiagnoseValueError",
+    "Finding",
+    "Report",
+    "check_derivative",
+    "diagnose",
+    "normalize_name",
+]

@@ -15,14 +15,14 @@ that reused the optimizer's own code could not disagree with it.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch
 
 SUPPORTED = "SGD, Adam, AdamW"
 
 
-def _f64(value: Any) -> Optional[torch.Tensor]:
+def _f64(value: Any) -> torch.Tensor | None:
     if value is None:
         return None
     return value.detach().to(torch.float64) if torch.is_tensor(value) else value
@@ -32,12 +32,12 @@ def _scalar(value: Any) -> float:
     return float(value.item()) if torch.is_tensor(value) else float(value)
 
 
-def snapshot_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Dict[str, Any]:
+def snapshot_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, Any]:
     """A float64 copy of the optimizer's per-parameter state before the step."""
     return {k: (_f64(v).clone() if torch.is_tensor(v) else v) for k, v in optimizer.state.get(param, {}).items()}
 
 
-def rule_name(optimizer: torch.optim.Optimizer) -> Optional[str]:
+def rule_name(optimizer: torch.optim.Optimizer) -> str | None:
     if isinstance(optimizer, torch.optim.SGD):
         return "sgd"
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
@@ -47,11 +47,11 @@ def rule_name(optimizer: torch.optim.Optimizer) -> Optional[str]:
 
 def predict(
     optimizer: torch.optim.Optimizer,
-    group: Dict[str, Any],
+    group: dict[str, Any],
     param: torch.Tensor,
     grad: torch.Tensor,
-    state: Dict[str, Any],
-) -> Optional[torch.Tensor]:
+    state: dict[str, Any],
+) -> torch.Tensor | None:
     """The parameter after one step (float64), or None for an optimizer whose rule we do not know."""
     rule = rule_name(optimizer)
     if rule is None or grad.is_sparse:

@@ -22,7 +22,6 @@ import copy
 import fnmatch
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List
 
 import numpy as np
 import torch
@@ -40,7 +39,7 @@ class MissingGradObjectiveConfig:
     name: str = "missing_grad"
     # Findings this case's defect produces, as "kind:name-glob" (the repaired control keeps the
     # same list and must not produce them).
-    expected: List[str] = field(default_factory=list)
+    expected: list[str] = field(default_factory=list)
     subject: str = "encoder.weight"  # the parameter whose derivative is checked
     mode: str = "train"  # the mode the model is diagnosed in: train | eval
     n_fixed: int = 64  # fixed held-out examples the closure uses
@@ -48,7 +47,7 @@ class MissingGradObjectiveConfig:
     stale_factor: float = 2.0
 
 
-def expected_matches(report: Report, expected: List[str]) -> Dict[str, float]:
+def expected_matches(report: Report, expected: list[str]) -> dict[str, float]:
     """How the report's findings compare with the expected ``kind:name-glob`` entries."""
     patterns = [e.split(":", 1) if ":" in e else [e, "*"] for e in expected]
 
@@ -95,7 +94,7 @@ class MissingGrad:
     def __call__(self, net: nn.Module, batch: Batch) -> LossOutput:
         return LossOutput(F.cross_entropy(net(batch.x).float(), batch.y))
 
-    def evaluate(self, net: nn.Module, data: ImageData, knn_k: int = 20) -> Dict[str, float]:
+    def evaluate(self, net: nn.Module, data: ImageData, knn_k: int = 20) -> dict[str, float]:
         optimizer = getattr(net, "optimizer", None)
         if optimizer is None:
             raise ValueError("the missing_grad objective needs a model with the runner's on_optimizer hook")
