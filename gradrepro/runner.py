@@ -178,6 +178,10 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
     frozen = freeze(net, list(cfg.train.freeze))
     steps = cfg.train.steps
     optimizer, scheduler = build_optimizer(net, cfg.optim, steps)
+    # A network may act once its optimizer exists (a case that replaces a module after the
+    # optimizer was built; an evaluation that diagnoses one step of that optimizer).
+    if callable(getattr(net, "on_optimizer", None)):
+        net.on_optimizer(optimizer)
     precision = Precision(cfg.precision, device)
     probe = Probe(net, cfg.probe, steps)
     records = store.Records(run_dir)
