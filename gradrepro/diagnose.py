@@ -255,7 +255,8 @@ def _check_inputs(model: Any, optimizer: Any, closure: Any) -> None:
     if not any(True for _ in model.parameters()):
         raise DiagnoseValueError(
             f"{type(model).__name__} has no registered parameters: nothing to diagnose "
-            "(if its layers live in a plain list or tensor attribute, that is the bug: use nn.ModuleList / nn.Parameter)")
+            "(if its layers live in a plain list or tensor attribute, that is the bug: "
+            "use nn.ModuleList / nn.Parameter)")
 
 
 def _check_loss(out: Any) -> torch.Tensor:
@@ -639,7 +640,9 @@ def _entries(index: Any, shape: torch.Size, grad: torch.Tensor | None, n_entries
         try:
             j = int(np.ravel_multi_index(item, tuple(shape))) if isinstance(item, tuple) else int(item)
         except (TypeError, ValueError) as exc:
-            raise DiagnoseValueError(f"index {item!r} does not address an entry of a {tuple(shape)} tensor: {exc}") from None
+            raise DiagnoseValueError(
+                f"index {item!r} does not address an entry of a {tuple(shape)} tensor: {exc}"
+            ) from None
         if not 0 <= j < numel:
             raise DiagnoseValueError(f"index {item!r} is outside a tensor of {numel} entries")
         flat.append(j)

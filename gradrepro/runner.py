@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import platform
 import random
 import signal

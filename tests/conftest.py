@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
 import pandas as pd
 import pytest
@@ -70,6 +70,41 @@ def experiment_names() -> List[str]:
     return sorted(
         str(p.relative_to(folder).with_suffix("")) for p in folder.rglob("*.yaml")
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_runs(tmp_path_factory) -> Dict[str, Path]:
+    """Every experiment at scale=tiny in one multirun of the real CLI (one process: fast),
+    as {experiment name: run directory}. Shared by every test that needs a finished run."""
+    sweep = tmp_path_factory.mktemp("tiny_sweep")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradrepro", "-m", f"experiment={','.join(experiment_names())}",
+         "scale=tiny", f"hydra.sweep.dir={sweep}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = {}
+    for summary in sweep.rglob("summary.json"):
+        if "references" in summary.relative_to(sweep).parts:
+            continue  # a reference run made by another run
+        found[json.loads(summary.read_text())["experiment"]] = summary.parent
+    assert sorted(found) == experiment_names()
+    return found
+
+
+def flat_config(cfg) -> Dict[str, object]:
+    """A composed config as {dotted key: value}, resolved."""
+    from omegaconf import OmegaConf
+
+    def leaves(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    return leaves(OmegaConf.to_container(cfg, resolve=True))
 
 
 @pytest.fixture

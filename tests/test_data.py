@@ -8,8 +8,8 @@ import pickle
 import numpy as np
 import pytest
 import torch
-
 from conftest import compose_config
+
 from gradrepro.data import build_data
 from gradrepro.errors import UserError
 

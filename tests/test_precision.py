@@ -4,9 +4,9 @@ to their control (Micikevicius et al., ICLR 2018)."""
 
 from __future__ import annotations
 
-import json
 import contextlib
 import io
+import json
 import math
 
 import numpy as np

@@ -7,9 +7,9 @@ import contextlib
 import io
 
 import pytest
+from conftest import compose_config
 from omegaconf import OmegaConf
 
-from conftest import compose_config
 from gradrepro.runner import run
 from gradrepro.signature import RunRecords, evaluate
 from gradrepro.store import read_run
