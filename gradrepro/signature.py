@@ -4,7 +4,8 @@ An experiment's config carries ``signature.checks``: each names a metric, an ope
 a threshold. With ``params.relative_to: NAME`` a check compares the metric with the same
 metric on a reference run (config ``references``: runs of other experiments that this run
 makes itself, same seed, so the verdict still depends only on what this run recorded).
-A metric is, in this order: a registered function of the records (``METRICS``), a column of ``scalars.parquet`` reduced over the last ``window`` logged values (or as
+A metric is, in this order: a registered function of the records (``METRICS``), a
+column of ``scalars.parquet`` reduced over the last ``window`` logged values (or as
 ``params.reduce`` says), or a constant the run recorded once (``summary.constants``).
 """
 
