@@ -92,6 +92,11 @@ def runs_table(runs: Sequence[Run]) -> pd.DataFrame:
         rows.append(row)
     head = ["run", "experiment", "control", *knobs, "seed", "status", "complete", "reproduced"]
     df = pd.DataFrame(rows).reindex(columns=head + check_cols + list(_TAIL))
+    for knob in knobs:  # override values are text: numbers compare and sort as numbers
+        try:
+            df[knob] = pd.to_numeric(df[knob])
+        except (ValueError, TypeError):
+            pass
     df.attrs["knobs"] = knobs
     df.attrs["checks"] = [c for c in check_cols if not c.endswith((" thr", " paper"))]
     return df
@@ -222,8 +227,8 @@ def for_reading(df: pd.DataFrame) -> pd.DataFrame:
     for col in df.columns:  # blanks, not "nan", for what a run did not record
         if pd.api.types.is_float_dtype(df[col]):
             df[col] = df[col].map(_fmt)
-        elif df[col].dtype == object:
-            df[col] = df[col].where(df[col].notna(), "")
+        elif not pd.api.types.is_numeric_dtype(df[col]):
+            df[col] = df[col].astype(object).where(df[col].notna(), "")
     return df
 
 
@@ -247,7 +252,7 @@ def render(tables: Dict[str, pd.DataFrame], fmt: str = "markdown",
         if fmt == "csv":
             body = df.to_csv(index=False)
         elif fmt == "latex":
-            body = for_reading(df).to_latex(index=False, float_format="%.4g", na_rep="")
+            body = for_reading(df).to_latex(index=False, na_rep="", escape=True)
         else:
             body = for_reading(df).to_markdown(index=False, floatfmt=".4g", missingval="")
         if len(chosen) > 1:
