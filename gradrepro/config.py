@@ -74,6 +74,15 @@ class ProbeConfig:
 
 
 @dataclass
+class LoggerConfig:
+    # none | tensorboard: also write scalars and per-module gradient norms and magnitude
+    # histograms to a TensorBoard event folder inside the run directory (gradrepro/loggers.py).
+    name: str = "none"
+    folder: str = "tensorboard"
+    histograms: bool = True
+
+
+@dataclass
 class CheckConfig:
     metric: str = MISSING
     op: str = MISSING  # <=, <, >=, >
@@ -108,6 +117,7 @@ class Config:
     init: InitConfig = field(default_factory=InitConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     signature: SignatureConfig = field(default_factory=SignatureConfig)
     paper: Dict[str, Any] = field(default_factory=dict)
 
@@ -227,6 +237,11 @@ def validate(cfg: Any) -> None:
             ) from None
         positive("precision.loss_scale", scale)
     choice("device", cfg.device, ("auto", "cpu", "cuda"))
+    from gradrepro.loggers import LOGGERS, tensorboard_available
+
+    choice("logger.name", cfg.logger.name, LOGGERS)
+    if cfg.logger.name == "tensorboard" and not tensorboard_available():
+        raise UserError("logger=tensorboard needs the tensorboard package: pip install -e '.[tensorboard]'")
     if cfg.device == "cuda":
         import torch
 
