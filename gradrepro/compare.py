@@ -1,4 +1,4 @@
-"""``python -m gradrepro.compare PATH... [--by KEY ...] [--format F] [--out FILE] [--plot FILE.png]``
+"""``python -m gradrepro.compare PATH... [--by KEY ...] [--format F] [--out F] [--plot F.png]``
 
 Reads any mix of run and sweep folders (recursively) and prints three tables:
 
@@ -61,8 +61,11 @@ def _float(value: Any) -> float:
 def differing_knobs(runs: Sequence[Run]) -> List[str]:
     """Override keys whose value is not the same in every run (seed and experiment aside)."""
     keys = list(dict.fromkeys(k for run in runs for k in run.overrides))
-    return [k for k in keys if k not in ("seed", "experiment")
-            and len({run.overrides.get(k) for run in runs}) > 1]
+    return [
+        k
+        for k in keys
+        if k not in ("seed", "experiment") and len({run.overrides.get(k) for run in runs}) > 1
+    ]
 
 
 def _labels(runs: Sequence[Run]) -> List[str]:
@@ -78,10 +81,16 @@ def runs_table(runs: Sequence[Run]) -> pd.DataFrame:
     rows, check_cols = [], []
     for run, label in zip(runs, _labels(runs)):
         s = run.summary
-        row = {"run": label, "experiment": run.experiment, "control": run.control,
-               **{k: run.overrides.get(k) for k in knobs},
-               "seed": s.get("seed"), "status": run.status, "complete": run.complete,
-               "reproduced": s.get("reproduced") if run.complete else None}
+        row = {
+            "run": label,
+            "experiment": run.experiment,
+            "control": run.control,
+            **{k: run.overrides.get(k) for k in knobs},
+            "seed": s.get("seed"),
+            "status": run.status,
+            "complete": run.complete,
+            "reproduced": s.get("reproduced") if run.complete else None,
+        }
         checks = s.get("checks") or []
         for key, check in zip(check_keys(checks), checks):
             row[key] = _float(check.get("observed"))
@@ -102,7 +111,9 @@ def runs_table(runs: Sequence[Run]) -> pd.DataFrame:
     return df
 
 
-def _mean_std(frame: pd.DataFrame, groups: Any, cols: Sequence[str], suffix: str = "") -> pd.DataFrame:
+def _mean_std(
+    frame: pd.DataFrame, groups: Any, cols: Sequence[str], suffix: str = ""
+) -> pd.DataFrame:
     stats = frame.groupby(groups, dropna=False, sort=False)[list(cols)].agg(["mean", "std"])
     stats.columns = [f"{col}{suffix} {stat}" for col, stat in stats.columns]
     return stats
@@ -120,13 +131,16 @@ def groups_table(runs_df: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
     reproduced = grouped["reproduced"].sum().astype(int).astype(str) + "/" + n.astype(str)
     incomplete = runs_df[~runs_df["complete"]].groupby(by, dropna=False, sort=False).size()
     stats = _mean_std(done, by, [*checks, *_TAIL])
-    out = pd.concat([n, reproduced.rename("reproduced"), incomplete.rename("incomplete"),
-                     first, stats], axis=1)
+    out = pd.concat(
+        [n, reproduced.rename("reproduced"), incomplete.rename("incomplete"), first, stats], axis=1
+    )
     out["incomplete"] = out["incomplete"].fillna(0).astype(int)
     out["n"] = out["n"].fillna(0).astype(int)
     order = ["n", "reproduced", "incomplete", "control"]
     for col in [*checks, *_TAIL]:
-        order += [c for c in (f"{col} mean", f"{col} std", f"{col} thr", f"{col} paper") if c in out]
+        order += [
+            c for c in (f"{col} mean", f"{col} std", f"{col} thr", f"{col} paper") if c in out
+        ]
     return out[[c for c in order if c in out]].reset_index()
 
 
@@ -137,12 +151,16 @@ def _observe(signature: Dict[str, Any], run: Run) -> Dict[str, Any]:
     records = RunRecords(run.scalars(), run.modules(), run.summary.get("constants") or {})
     verdict = evaluate(signature, records)
     keys = check_keys(signature.get("checks") or [])
-    return {"reproduced": verdict.reproduced, **{k: c.observed for k, c in zip(keys, verdict.checks)}}
+    return {
+        "reproduced": verdict.reproduced,
+        **{k: c.observed for k, c in zip(keys, verdict.checks)},
+    }
 
 
-def pairs_table(runs: Sequence[Run], runs_df: pd.DataFrame,
-                warnings: Optional[List[str]] = None) -> pd.DataFrame:
-    """Each ablation beside its control (same other knobs), both measured by the ablation's checks."""
+def pairs_table(
+    runs: Sequence[Run], runs_df: pd.DataFrame, warnings: Optional[List[str]] = None
+) -> pd.DataFrame:
+    """Each ablation beside its control (same other knobs), both measured by its own checks."""
     knobs = list(runs_df.attrs.get("knobs", []))
     done = runs_df[runs_df["complete"]]
     by_index = {i: run for i, run in enumerate(runs)}
@@ -151,7 +169,7 @@ def pairs_table(runs: Sequence[Run], runs_df: pd.DataFrame,
         control = group["control"].iloc[0]
         if not isinstance(control, str):
             continue
-        same = (done["experiment"] == control)
+        same = done["experiment"] == control
         for knob in knobs:
             value = group[knob].iloc[0]
             same &= done[knob].isna() if value is None or value != value else done[knob] == value
@@ -161,8 +179,10 @@ def pairs_table(runs: Sequence[Run], runs_df: pd.DataFrame,
         signature = signature_of(by_index[group.index[0]])
         if signature is None:
             if warnings is not None:
-                warnings.append(f"{by_index[group.index[0]].path}: no readable .hydra/config.yaml: "
-                                f"cannot evaluate its signature on {control}")
+                warnings.append(
+                    f"{by_index[group.index[0]].path}: no readable .hydra/config.yaml: "
+                    f"cannot evaluate its signature on {control}"
+                )
             continue
         keys = check_keys(signature.get("checks") or [])
         observed = []
@@ -171,36 +191,49 @@ def pairs_table(runs: Sequence[Run], runs_df: pd.DataFrame,
                 observed.append(_observe(signature, by_index[i]))
             except Exception as exc:  # unreadable records: leave this control run out
                 if warnings is not None:
-                    warnings.append(f"{by_index[i].path}: records unreadable ({type(exc).__name__}); "
-                                    "left out of the pair table")
+                    warnings.append(
+                        f"{by_index[i].path}: records unreadable ({type(exc).__name__}); "
+                        "left out of the pair table"
+                    )
         if not observed:
             continue
         ctrl = pd.DataFrame(observed).reindex(columns=["reproduced", *keys])
         ctrl["final_loss"] = controls["final_loss"].to_numpy()[: len(ctrl)]
         row = dict(zip(["experiment", *knobs], key if isinstance(key, tuple) else (key,)))
-        row.update(control=control, n=len(group),
-                   reproduced=f"{int(group['reproduced'].astype(bool).sum())}/{len(group)}",
-                   **{"control n": len(ctrl),
-                      "control reproduced": f"{int(ctrl['reproduced'].astype(bool).sum())}/{len(ctrl)}"})
+        row.update(
+            control=control,
+            n=len(group),
+            reproduced=f"{int(group['reproduced'].astype(bool).sum())}/{len(group)}",
+            **{
+                "control n": len(ctrl),
+                "control reproduced": f"{int(ctrl['reproduced'].astype(bool).sum())}/{len(ctrl)}",
+            },
+        )
         for col in [*keys, "final_loss"]:
             mine = group[col] if col in group else pd.Series(dtype=float)
             row[f"{col} mean"], row[f"{col} std"] = mine.mean(), mine.std()
-            row[f"{col} control mean"], row[f"{col} control std"] = ctrl[col].mean(), ctrl[col].std()
+            row[f"{col} control mean"], row[f"{col} control std"] = (
+                ctrl[col].mean(),
+                ctrl[col].std(),
+            )
             if f"{col} thr" in group:
                 row[f"{col} thr"] = group[f"{col} thr"].iloc[0]
         rows.append(row)
     return pd.DataFrame(rows)
 
 
-def build_tables(runs: Sequence[Run], by: Optional[Sequence[str]] = None,
-                 warnings: Optional[List[str]] = None) -> Dict[str, pd.DataFrame]:
-    """``{"runs": ..., "groups": ..., "pairs": ...}`` for ``runs`` (``by`` defaults to the knobs)."""
+def build_tables(
+    runs: Sequence[Run], by: Optional[Sequence[str]] = None, warnings: Optional[List[str]] = None
+) -> Dict[str, pd.DataFrame]:
+    """``{"runs": ..., "groups": ..., "pairs": ...}`` (``by`` defaults to the knobs)."""
     runs_df = runs_table(runs)
     by = list(by) if by else ["experiment", *runs_df.attrs["knobs"]]
     unknown = [k for k in by if k not in runs_df.columns]
     if unknown:
-        raise KeyError(f"--by {' '.join(unknown)}: no such column; "
-                       f"choose from: {', '.join(map(str, runs_df.columns))}")
+        raise KeyError(
+            f"--by {' '.join(unknown)}: no such column; "
+            f"choose from: {', '.join(map(str, runs_df.columns))}"
+        )
     groups = groups_table(runs_df, by)
     groups.attrs["by"] = by
     return {"runs": runs_df, "groups": groups, "pairs": pairs_table(runs, runs_df, warnings)}
@@ -208,12 +241,17 @@ def build_tables(runs: Sequence[Run], by: Optional[Sequence[str]] = None,
 
 # --- rendering: pandas writes every format --------------------------------------------------
 
+
 def _fmt(value: Any) -> str:
-    return "" if value is None or (isinstance(value, float) and not np.isfinite(value)) else f"{value:.4g}"
+    return (
+        ""
+        if value is None or (isinstance(value, float) and not np.isfinite(value))
+        else f"{value:.4g}"
+    )
 
 
 def for_reading(df: pd.DataFrame) -> pd.DataFrame:
-    """Join ``X mean``/``X std`` into one ``X`` column reading ``mean ± std`` (std only if n > 1)."""
+    """Join ``X mean``/``X std`` into one ``X`` column, ``mean ± std`` (std only if n > 1)."""
     df = df.copy()
     for col in [c for c in df.columns if str(c).endswith(" mean")]:
         base, std = col[: -len(" mean")], col[: -len(" mean")] + " std"
@@ -236,17 +274,19 @@ TITLES = {
     "runs": "Runs",
     "groups": "Groups (mean ± std over seeds; reproduced = seeds whose signature reproduced)",
     "pairs": "Ablation vs control (the ablation's checks evaluated on both; "
-             "control reproduced should be 0/n)",
+    "control reproduced should be 0/n)",
 }
 
 
-def render(tables: Dict[str, pd.DataFrame], fmt: str = "markdown",
-           which: Sequence[str] = TABLES) -> str:
+def render(
+    tables: Dict[str, pd.DataFrame], fmt: str = "markdown", which: Sequence[str] = TABLES
+) -> str:
     """The chosen tables in ``fmt``; with several tables, one titled section each."""
     chosen = {k: tables[k] for k in which if k in tables and not tables[k].empty}
     if fmt == "json":
-        return json.dumps({k: json.loads(df.to_json(orient="records")) for k, df in chosen.items()},
-                          indent=2)
+        return json.dumps(
+            {k: json.loads(df.to_json(orient="records")) for k, df in chosen.items()}, indent=2
+        )
     parts = []
     for name, df in chosen.items():
         if fmt == "csv":
@@ -256,37 +296,65 @@ def render(tables: Dict[str, pd.DataFrame], fmt: str = "markdown",
         else:
             body = for_reading(df).to_markdown(index=False, floatfmt=".4g", missingval="")
         if len(chosen) > 1:
-            title = TITLES[name] if name != "groups" else (
-                TITLES[name].replace("Groups", f"Groups by {', '.join(df.attrs.get('by', []))}"))
+            title = (
+                TITLES[name]
+                if name != "groups"
+                else (
+                    TITLES[name].replace("Groups", f"Groups by {', '.join(df.attrs.get('by', []))}")
+                )
+            )
             head = {"markdown": f"## {title}\n", "csv": f"# {name}", "latex": f"% {title}"}[fmt]
             body = f"{head}\n{body}"
         parts.append(body.rstrip("\n"))
     return "\n\n".join(parts) + "\n"
 
 
-def compare(paths: Sequence[Path], by: Optional[Sequence[str]] = None
-            ) -> Tuple[Dict[str, pd.DataFrame], List[Run], List[str]]:
-    """Load ``paths`` and build the tables: ``(tables, runs, warnings)``; tables empty if no runs."""
+def compare(
+    paths: Sequence[Path], by: Optional[Sequence[str]] = None
+) -> Tuple[Dict[str, pd.DataFrame], List[Run], List[str]]:
+    """Load ``paths`` and build the tables: ``(tables, runs, warnings)``; ``{}`` if no runs."""
     runs, warnings = load_runs(paths)
     tables = build_tables(runs, by, warnings) if runs else {}
     return tables, runs, warnings
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gradrepro.compare",
-                                     description=__doc__.split("\n\n")[0].strip("`"))
-    parser.add_argument("paths", nargs="+", type=Path, metavar="PATH",
-                        help="run folders and/or sweep folders (searched recursively)")
-    parser.add_argument("--by", nargs="+", action="extend", metavar="KEY",
-                        help="group by these columns (default: experiment and the differing overrides)")
+    parser = argparse.ArgumentParser(
+        prog="python -m gradrepro.compare", description=__doc__.split("\n\n")[0].strip("`")
+    )
+    parser.add_argument(
+        "paths",
+        nargs="+",
+        type=Path,
+        metavar="PATH",
+        help="run folders and/or sweep folders (searched recursively)",
+    )
+    parser.add_argument(
+        "--by",
+        nargs="+",
+        action="extend",
+        metavar="KEY",
+        help="group by these columns (default: experiment and the differing overrides)",
+    )
     parser.add_argument("--format", choices=FORMATS, default="markdown")
-    parser.add_argument("--table", choices=("all", *TABLES), default="all",
-                        help="which table to print (default: all; 'runs' gives one plain CSV)")
+    parser.add_argument(
+        "--table",
+        choices=("all", *TABLES),
+        default="all",
+        help="which table to print (default: all; 'runs' gives one plain CSV)",
+    )
     parser.add_argument("--out", type=Path, help="write the table(s) here instead of stdout")
-    parser.add_argument("--plot", type=Path, metavar="FILE.png",
-                        help="loss curves beside a per-module panel of --metric, one line per run")
-    parser.add_argument("--metric", default="grad_norm",
-                        help="modules.parquet column for the per-module panel (default: grad_norm)")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="loss curves beside a per-module panel of --metric, one line per run",
+    )
+    parser.add_argument(
+        "--metric",
+        default="grad_norm",
+        help="modules.parquet column for the per-module panel (default: grad_norm)",
+    )
     args = parser.parse_args(argv)
 
     try:
@@ -296,8 +364,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for line in warnings:
         print(f"gradrepro.compare: warning: {line}", file=sys.stderr)
     if not runs:
-        print("gradrepro.compare: error: nothing readable under " +
-              ", ".join(map(str, args.paths)), file=sys.stderr)
+        print(
+            "gradrepro.compare: error: nothing readable under " + ", ".join(map(str, args.paths)),
+            file=sys.stderr,
+        )
         return EXIT_NOTHING_READABLE
     text = render(tables, args.format, TABLES if args.table == "all" else (args.table,))
     if args.out:
@@ -346,8 +416,9 @@ class SweepTableCallback(Callback):
             atomic_write(sweep_dir / self.filename, lambda tmp: Path(tmp).write_text(text))
             log.info("comparison of %d runs: %s", len(runs), sweep_dir / self.filename)
         except Exception as exc:
-            log.warning("could not write %s: %s: %s", sweep_dir / self.filename,
-                        type(exc).__name__, exc)
+            log.warning(
+                "could not write %s: %s: %s", sweep_dir / self.filename, type(exc).__name__, exc
+            )
 
 
 if __name__ == "__main__":

@@ -40,8 +40,9 @@ def _group_label(run: Run, knobs: Sequence[str]) -> str:
     return run.experiment + (f" [{extra}]" if extra else "")
 
 
-def figure_runs(runs: Sequence[Run], metric: str = "grad_norm",
-                warnings: Optional[List[str]] = None):
+def figure_runs(
+    runs: Sequence[Run], metric: str = "grad_norm", warnings: Optional[List[str]] = None
+):
     """The matplotlib Figure (not saved): axes[0] loss curves, axes[1] the per-module panel."""
     import matplotlib
 
@@ -53,8 +54,9 @@ def figure_runs(runs: Sequence[Run], metric: str = "grad_norm",
     knobs = differing_knobs(runs)
     groups = list(dict.fromkeys(_group_label(r, knobs) for r in runs))
     colors = plt.get_cmap("tab10" if len(groups) <= 10 else "tab20")
-    fig, (ax_loss, ax_mod) = plt.subplots(1, 2, figsize=(13, 5.5), layout="constrained",
-                                          gridspec_kw={"width_ratios": [1, 1.3]})
+    fig, (ax_loss, ax_mod) = plt.subplots(
+        1, 2, figsize=(13, 5.5), layout="constrained", gridspec_kw={"width_ratios": [1, 1.3]}
+    )
     module_order: List[str] = []
     per_run = []
     seen_in_group: dict = {}
@@ -63,7 +65,9 @@ def figure_runs(runs: Sequence[Run], metric: str = "grad_norm",
         style = _STYLES[seen_in_group.get(group, 0) % len(_STYLES)]
         seen_in_group[group] = seen_in_group.get(group, 0) + 1
         color = colors(groups.index(group) % colors.N)
-        label = f"{group} seed={run.summary.get('seed')}" + ("" if run.complete else " (incomplete)")
+        label = f"{group} seed={run.summary.get('seed')}" + (
+            "" if run.complete else " (incomplete)"
+        )
         try:
             scalars = run.scalars()
             loss = scalars.dropna(subset=["loss"])
@@ -77,8 +81,14 @@ def figure_runs(runs: Sequence[Run], metric: str = "grad_norm",
         per_run.append((values, color, style, label))
     for values, color, style, label in per_run:
         aligned = values.reindex(module_order)
-        ax_mod.plot(range(len(module_order)), aligned.to_numpy(dtype=float), color=color,
-                    linestyle=style, marker=".", label=label)
+        ax_mod.plot(
+            range(len(module_order)),
+            aligned.to_numpy(dtype=float),
+            color=color,
+            linestyle=style,
+            marker=".",
+            label=label,
+        )
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss")
     ax_loss.set_title("training loss")
@@ -91,13 +101,19 @@ def figure_runs(runs: Sequence[Run], metric: str = "grad_norm",
     if finite.size and (finite > 0).all():
         ax_mod.set_yscale("log")
     if per_run:
-        fig.legend(*ax_loss.get_legend_handles_labels(), loc="outside lower center",
-                   ncol=max(1, min(3, math.ceil(len(per_run) / 4))), fontsize=8, frameon=False)
+        fig.legend(
+            *ax_loss.get_legend_handles_labels(),
+            loc="outside lower center",
+            ncol=max(1, min(3, math.ceil(len(per_run) / 4))),
+            fontsize=8,
+            frameon=False,
+        )
     return fig
 
 
-def plot_runs(runs: Sequence[Run], path: Path, metric: str = "grad_norm",
-              warnings: Optional[List[str]] = None) -> int:
+def plot_runs(
+    runs: Sequence[Run], path: Path, metric: str = "grad_norm", warnings: Optional[List[str]] = None
+) -> int:
     """Draw :func:`figure_runs` to ``path`` (atomically); returns the number of runs drawn."""
     import matplotlib.pyplot as plt
 

@@ -42,13 +42,17 @@ def open_records(logger_cfg: Any, run_dir: Path, net: nn.Module) -> store.Record
     """The run's records object: plain, or also writing to TensorBoard (``logger.name``)."""
     if logger_cfg is None or logger_cfg.name == "none":
         return store.Records(run_dir)
-    return TensorBoardRecords(run_dir, net, Path(run_dir) / logger_cfg.folder, logger_cfg.histograms)
+    return TensorBoardRecords(
+        run_dir, net, Path(run_dir) / logger_cfg.folder, logger_cfg.histograms
+    )
 
 
 class TensorBoardRecords(store.Records):
     """Records that also write each added row to a TensorBoard event folder."""
 
-    def __init__(self, run_dir: Path, net: nn.Module, folder: Path, histograms: bool = True) -> None:
+    def __init__(
+        self, run_dir: Path, net: nn.Module, folder: Path, histograms: bool = True
+    ) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         super().__init__(run_dir)
@@ -92,7 +96,7 @@ class TensorBoardRecords(store.Records):
             own = own[~np.isnan(own)]  # NaN here: no gradient (state none), not a bad value
             if not own.size:
                 continue
-            total = float(np.sqrt(np.sum(own ** 2)))
+            total = float(np.sqrt(np.sum(own**2)))
             if np.isfinite(total):
                 self.writer.add_scalar(f"grad_norm/{module}", total, step)
             else:

@@ -55,7 +55,9 @@ class Run:
         return pd.read_parquet(self.path / store.SCALARS)
 
     def modules(self, columns: Optional[Sequence[str]] = None) -> pd.DataFrame:
-        return pd.read_parquet(self.path / store.MODULES, columns=list(columns) if columns else None)
+        return pd.read_parquet(
+            self.path / store.MODULES, columns=list(columns) if columns else None
+        )
 
 
 def parse_overrides(items: Sequence[str]) -> Dict[str, str]:
@@ -100,7 +102,9 @@ def read_run(run_dir: Path) -> Run:
         try:
             summary = json.loads(summary_path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{store.SUMMARY} is unreadable ({type(exc).__name__}: {exc})") from None
+            raise ValueError(
+                f"{store.SUMMARY} is unreadable ({type(exc).__name__}: {exc})"
+            ) from None
         if not isinstance(summary, dict) or "experiment" not in summary:
             raise ValueError(f"{store.SUMMARY} has no 'experiment' entry (not a gradrepro run?)")
         overrides = parse_overrides(summary.get("overrides") or [])
@@ -108,12 +112,21 @@ def read_run(run_dir: Path) -> Run:
         # Killed before the end: Hydra's own record of the job says what it was.
         try:
             cfg = _read_yaml(run_dir / HYDRA_CONFIG)
-            listed = _read_yaml(run_dir / HYDRA_OVERRIDES) if (run_dir / HYDRA_OVERRIDES).exists() else []
+            listed = (
+                _read_yaml(run_dir / HYDRA_OVERRIDES)
+                if (run_dir / HYDRA_OVERRIDES).exists()
+                else []
+            )
         except Exception as exc:
-            raise ValueError(f"no {store.SUMMARY}, and .hydra/config.yaml is unreadable "
-                             f"({type(exc).__name__})") from None
-        summary = {"experiment": cfg.get("name"), "control": cfg.get("control"),
-                   "seed": cfg.get("seed"), "status": None}
+            raise ValueError(
+                f"no {store.SUMMARY}, and .hydra/config.yaml is unreadable ({type(exc).__name__})"
+            ) from None
+        summary = {
+            "experiment": cfg.get("name"),
+            "control": cfg.get("control"),
+            "seed": cfg.get("seed"),
+            "status": None,
+        }
         overrides = parse_overrides(listed or [])
         notes.append(f"no {store.SUMMARY} (killed mid-way?): listed as incomplete")
     complete = summary.get("status") not in (None, "interrupted")
@@ -126,13 +139,14 @@ def read_run(run_dir: Path) -> Run:
     except FileNotFoundError:
         run.notes.append(f"no {store.SCALARS}: final loss and curves left out")
     except Exception as exc:
-        run.notes.append(f"{store.SCALARS} is unreadable ({type(exc).__name__}): "
-                         "final loss and curves left out")
+        run.notes.append(
+            f"{store.SCALARS} is unreadable ({type(exc).__name__}): final loss and curves left out"
+        )
     return run
 
 
 def load_runs(paths: Sequence[Path]) -> Tuple[List[Run], List[str]]:
-    """Every readable run under ``paths``, and one warning line per folder skipped or partly read."""
+    """Every readable run under ``paths``; one warning per folder skipped or partly read."""
     runs, warnings = [], []
     seen = set()
     for path in map(Path, paths):
@@ -141,8 +155,10 @@ def load_runs(paths: Sequence[Path]) -> Tuple[List[Run], List[str]]:
             continue
         dirs = find_run_dirs(path)
         if not dirs:
-            warnings.append(f"{path}: no runs found (no {store.SUMMARY}, .hydra/ or "
-                            f"{store.SCALARS} at or below it)")
+            warnings.append(
+                f"{path}: no runs found (no {store.SUMMARY}, .hydra/ or "
+                f"{store.SCALARS} at or below it)"
+            )
         for run_dir in dirs:
             key = run_dir.resolve()
             if key in seen:

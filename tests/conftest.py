@@ -72,6 +72,33 @@ def experiment_names() -> List[str]:
     )
 
 
+def run_module(module: str, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` from the repository root, output captured."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def multirun(sweep_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """A ``-m`` sweep into ``sweep_dir``; fails the test with Hydra's stderr if it fails."""
+    proc = run_module("gradrepro", "-m", *overrides, f"hydra.sweep.dir={sweep_dir}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+SWEEP = ["experiment=simsiam_baseline,simsiam_nostopgrad", "scale=tiny", "threads=1"]
+
+
+@pytest.fixture(scope="session")
+def joblib_sweep(tmp_path_factory) -> Path:
+    """2 experiments x 2 seeds on the joblib launcher, 2 jobs at once (shared by the sweep,
+    compare and report tests; treat it as read-only)."""
+    sweep = tmp_path_factory.mktemp("joblib") / "sweep"
+    multirun(sweep, *SWEEP, "seed=0,1", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2")
+    return sweep
+
+
 @pytest.fixture
 def cli(tmp_path):
     """Run the CLI into a fresh folder under tmp_path: ``cli('experiment=x', 'scale=tiny')``."""
