@@ -221,6 +221,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="parallel joblib jobs (default: the number of CPU cores)",
     )
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per run (default 1: jobs x threads should not exceed the cores; "
+        "parallel runs use small models better than parallel kernels)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="scale=tiny: checks the pipeline in seconds; NOT a reference result",
@@ -238,9 +245,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "overrides", nargs="*", help="extra overrides for every run (e.g. threads=1)"
     )
     args = parser.parse_args(argv)
-    if args.seeds < 1 or args.jobs < 1:
-        parser.error("--seeds and --jobs must be >= 1")
+    if min(args.seeds, args.jobs, args.threads) < 1:
+        parser.error("--seeds, --jobs and --threads must be >= 1")
     extra = (["scale=tiny"] if args.quick else []) + list(args.overrides)
+    # Threads change speed, not the experiment: in the sweep, not in the reproduce command.
+    speed = [] if any(o.startswith("threads=") for o in extra) else [f"threads={args.threads}"]
 
     started = time.perf_counter()
     if args.from_sweep:
@@ -249,7 +258,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         experiments = select_experiments(args.experiments)
         stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
         sweep_dir = args.sweep_dir or ROOT / "results" / "sweeps" / f"report-{stamp}"
-        command = sweep_command(experiments, args.seeds, args.jobs, sweep_dir, extra)
+        command = sweep_command(experiments, args.seeds, args.jobs, sweep_dir, extra + speed)
         print("gradrepro.report: running " + " ".join(command[1:]), file=sys.stderr)
         env = {
             **os.environ,

@@ -14,6 +14,10 @@ import pandas as pd
 import pytest
 from conftest import SWEEP, experiment_names, multirun, run_module
 
+# Submitit's local executor adds process start-up and polling (about 50 s on a loaded
+# 2-core machine): slow. The joblib sweep is shared by most tests here, so it stays fast.
+LAUNCHERS = ["joblib", pytest.param("submitit", marks=pytest.mark.slow)]
+
 
 @pytest.fixture(scope="module")
 def submitit_sweep(tmp_path_factory) -> Path:
@@ -40,7 +44,7 @@ def compare_tables(*paths: Path, by=None):
 # --- sweep folders and the callback's table ----------------------------------------------
 
 
-@pytest.mark.parametrize("launcher", ["joblib", "submitit"])
+@pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_sweep_folders_are_named_by_overrides_with_seed_folders_inside(launcher, request):
     sweep = request.getfixturevalue(f"{launcher}_sweep")
     found = summaries(sweep)
@@ -57,7 +61,7 @@ def test_sweep_folders_are_named_by_overrides_with_seed_folders_inside(launcher,
         assert summary["experiment"] in folder
 
 
-@pytest.mark.parametrize("launcher", ["joblib", "submitit"])
+@pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_callback_writes_the_sweep_table_into_the_sweep_folder(launcher, request):
     sweep = request.getfixturevalue(f"{launcher}_sweep")
     text = (sweep / "comparison.md").read_text()
@@ -147,7 +151,7 @@ def test_ray_launcher_sweep(tmp_path):
 # --- compare on the sweeps ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("launcher", ["joblib", "submitit"])
+@pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_compare_rows_groups_and_paired_columns(launcher, request):
     sweep = request.getfixturevalue(f"{launcher}_sweep")
     n_seeds = {"joblib": 2, "submitit": 1}[launcher]
