@@ -1,7 +1,7 @@
 """Sweeps on real Hydra launchers (joblib, submitit_local; ray when installed), the sweep
 folders they leave, the table the callback writes, and ``gradrepro.compare`` on them.
 
-Each launcher runs one tiny sweep (module-scoped fixtures); the compare tests reuse them."""
+Each launcher runs one tiny sweep (shared fixtures); the compare tests reuse them."""
 
 from __future__ import annotations
 
