@@ -125,6 +125,29 @@ def expand_globs(argv: Sequence[str]) -> List[str]:
     return out
 
 
+# Launchers that come from an optional extra: a missing plugin is one line, not Hydra's report.
+_LAUNCHER_PLUGINS = {
+    "joblib": ("hydra_plugins.hydra_joblib_launcher", "sweep"),
+    "submitit_local": ("hydra_plugins.hydra_submitit_launcher", "sweep"),
+    "submitit_slurm": ("hydra_plugins.hydra_submitit_launcher", "sweep"),
+    "slurm": ("hydra_plugins.hydra_submitit_launcher", "sweep"),
+    "ray": ("hydra_plugins.hydra_ray_launcher", "ray"),
+}
+
+
+def check_launcher(argv: Sequence[str]) -> None:
+    """``hydra/launcher=X`` whose plugin is not installed: a UserError naming the extra."""
+    import importlib.util
+
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+") == "hydra/launcher" and value in _LAUNCHER_PLUGINS:
+            module, extra = _LAUNCHER_PLUGINS[value]
+            if importlib.util.find_spec(module) is None:
+                raise UserError(f"hydra/launcher={value} needs {module.split('.')[1]}: "
+                                f"pip install -e '.[{extra}]'")
+
+
 def _sweep_variants(overrides: List[str]) -> List[List[str]]:
     """Override lists to compose: each sweep value once, the other sweeps at their first value."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -189,6 +212,7 @@ def main(hydra_main, argv: Optional[Sequence[str]] = None) -> None:
     wants_hydra_only = any(a.split("=")[0] in _HYDRA_FLAGS for a in argv)
     try:
         expanded = expand_globs(argv)
+        check_launcher(expanded)
     except UserError as exc:
         print(f"gradrepro: error: {exc}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)

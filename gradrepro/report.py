@@ -177,7 +177,7 @@ def write_report(
     for name in sorted(figures):
         run = next(r for r in runs if r.experiment == name)
         paper = run.summary.get("paper") or {}
-        control = f" Control: `{run.control}`." if run.control else " (a control)"
+        control = f" Control: `{run.control}`." if run.control else " This is a control."
         lines += [f"### {name}", "", f"{run.summary.get('claim', '')}.{control}", ""]
         lines += [f"- {k}: {v}" for k, v in paper.items()] + [""]
         lines += [f"![{name}](figures/{figures[name].name})", ""]

@@ -336,3 +336,17 @@ def test_plot_has_one_loss_line_and_one_module_line_per_run(joblib_sweep, tmp_pa
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
     assert "4 runs drawn" in proc.stderr
+
+
+def test_missing_launcher_plugin_is_one_line_naming_the_extra(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("hydra_plugins.hydra_ray_launcher") is not None:
+        pytest.skip("hydra-ray-launcher is installed here")
+    proc = run_module(
+        "gradrepro", "-m", *SWEEP, "hydra/launcher=ray", f"hydra.sweep.dir={tmp_path}"
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "gradrepro: error: hydra/launcher=ray needs hydra_ray_launcher: pip install -e '.[ray]'"
+    ]
