@@ -88,6 +88,66 @@ def _keys_at(parent: str) -> List[str]:
         return []
 
 
+def group_options_recursive(group: str) -> List[str]:
+    """Every config of ``group``, subfolders included (``missing_grad/x``), schemas left out."""
+    folder = CONFIG_DIR / group
+    return sorted(str(p.relative_to(folder).with_suffix("")) for p in folder.rglob("*.yaml"))
+
+
+def expand_globs(argv: Sequence[str]) -> List[str]:
+    """``group=glob(...)`` -> ``group=a,b,sub/c``: Hydra's own glob lists only a group's top
+    folder, so experiments in subfolders would silently drop out of ``experiment=glob(*)``.
+    Hydra's fnmatch rules apply (``*`` also matches ``/``); ``exclude=`` is honoured."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import Glob
+
+    parser = OverridesParser.create()
+    out = []
+    for arg in argv:
+        if arg.startswith("-") or "glob(" not in arg:
+            out.append(arg)
+            continue
+        try:
+            override = parser.parse_override(arg)
+        except Exception as exc:
+            raise UserError(f"could not parse the override {arg!r}: {explain(exc)}") from None
+        group = override.key_or_group
+        if not isinstance(override.value(), Glob) or group.startswith("hydra") or not (
+            CONFIG_DIR / group
+        ).is_dir():
+            out.append(arg)
+            continue
+        options = group_options_recursive(group)
+        chosen = override.value().filter(options)
+        if not chosen:
+            raise UserError(f"{arg} matches no {group} config; valid choices: {', '.join(options)}")
+        out.append(f"{override.get_key_element()}={','.join(chosen)}")
+    return out
+
+
+# Launchers that come from an optional extra: a missing plugin is one line, not Hydra's report.
+_LAUNCHER_PLUGINS = {
+    "joblib": ("hydra_plugins.hydra_joblib_launcher", "sweep"),
+    "submitit_local": ("hydra_plugins.hydra_submitit_launcher", "sweep"),
+    "submitit_slurm": ("hydra_plugins.hydra_submitit_launcher", "sweep"),
+    "slurm": ("hydra_plugins.hydra_submitit_launcher", "sweep"),
+    "ray": ("hydra_plugins.hydra_ray_launcher", "ray"),
+}
+
+
+def check_launcher(argv: Sequence[str]) -> None:
+    """``hydra/launcher=X`` whose plugin is not installed: a UserError naming the extra."""
+    import importlib.util
+
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+") == "hydra/launcher" and value in _LAUNCHER_PLUGINS:
+            module, extra = _LAUNCHER_PLUGINS[value]
+            if importlib.util.find_spec(module) is None:
+                raise UserError(f"hydra/launcher={value} needs {module.split('.')[1]}: "
+                                f"pip install -e '.[{extra}]'")
+
+
 def _sweep_variants(overrides: List[str]) -> List[List[str]]:
     """Override lists to compose: each sweep value once, the other sweeps at their first value."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -166,6 +226,14 @@ def preflight(argv: Sequence[str]) -> None:
 def main(hydra_main, argv: Optional[Sequence[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     wants_hydra_only = any(a.split("=")[0] in _HYDRA_FLAGS for a in argv)
+    try:
+        expanded = expand_globs(argv)
+        check_launcher(expanded)
+    except UserError as exc:
+        print(f"gradrepro: error: {exc}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    if expanded != argv:  # hydra.main reads sys.argv
+        argv = sys.argv[1:] = expanded
     if not wants_hydra_only and not os.environ.get("HYDRA_FULL_ERROR"):
         try:
             preflight(argv)

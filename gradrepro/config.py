@@ -82,6 +82,15 @@ class ProbeConfig:
 
 
 @dataclass
+class LoggerConfig:
+    # none | tensorboard: also write scalars and per-module gradient norms and magnitude
+    # histograms to a TensorBoard event folder inside the run directory (gradrepro/loggers.py).
+    name: str = "none"
+    folder: str = "tensorboard"
+    histograms: bool = True
+
+
+@dataclass
 class CheckConfig:
     metric: str = MISSING
     op: str = MISSING  # <=, <, >=, >
@@ -116,6 +125,7 @@ class Config:
     init: InitConfig = field(default_factory=InitConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     signature: SignatureConfig = field(default_factory=SignatureConfig)
     # Reference runs, name -> experiment: run after this one with the same seed, scale,
     # device and step budget, into run_dir/references/NAME, for checks ``relative_to`` NAME.
@@ -245,6 +255,11 @@ def validate(cfg: Any) -> None:
             "1.52587890625e-05) so that it leaves fp32 training bit-identical"
         )
     choice("device", cfg.device, ("auto", "cpu", "cuda"))
+    from gradrepro.loggers import LOGGERS, tensorboard_available
+
+    choice("logger.name", cfg.logger.name, LOGGERS)
+    if cfg.logger.name == "tensorboard" and not tensorboard_available():
+        raise UserError("logger=tensorboard needs the tensorboard package: pip install -e '.[tensorboard]'")
     if cfg.device == "cuda":
         import torch
 

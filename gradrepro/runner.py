@@ -30,6 +30,7 @@ from gradrepro.config import validate
 from gradrepro.data import build_data
 from gradrepro.figure import plot_signals
 from gradrepro.init import initialize
+from gradrepro.loggers import open_records
 from gradrepro.models import build_model
 from gradrepro.objectives import build_objective
 from gradrepro.optim import build_optimizer, freeze
@@ -183,7 +184,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
         net.on_optimizer(optimizer)
     precision = Precision(cfg.precision, device)
     probe = Probe(net, cfg.probe, steps)
-    records = store.Records(run_dir)
+    records = open_records(cfg.logger, run_dir, net)  # logger=tensorboard also writes there
     generator = torch.Generator().manual_seed(cfg.seed)
     knn_k = cfg.eval.knn_k
 
@@ -259,6 +260,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
     elif status == "interrupted":
         pass  # stop quickly: the records up to the signal are what the user asked to keep
     records.flush()
+    records.close()
 
     scalars, modules = records.scalars(), records.modules()
     references, reference_runs = {}, {}

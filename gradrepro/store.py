@@ -96,6 +96,9 @@ class Records:
             columns[key] = np.concatenate(parts)
         return pd.DataFrame(columns)
 
+    def close(self) -> None:
+        """Release whatever a subclass holds open (a logger's writer); the files stay."""
+
     def flush(self) -> None:
         """Write both Parquet files (atomically); safe to call at any time."""
         scalars, modules = self.scalars(), self.modules()

@@ -72,19 +72,39 @@ def experiment_names() -> List[str]:
     )
 
 
+def run_module(module: str, *args, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` from the repository root, output captured."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def multirun(sweep_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """A ``-m`` sweep into ``sweep_dir``; fails the test with Hydra's stderr if it fails."""
+    proc = run_module("gradrepro", "-m", *overrides, f"hydra.sweep.dir={sweep_dir}", timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+SWEEP = ["experiment=simsiam_baseline,simsiam_nostopgrad", "scale=tiny", "threads=1"]
+
+
+@pytest.fixture(scope="session")
+def joblib_sweep(tmp_path_factory) -> Path:
+    """2 experiments x 2 seeds on the joblib launcher, 2 jobs at once (shared by the sweep,
+    compare and report tests; treat it as read-only)."""
+    sweep = tmp_path_factory.mktemp("joblib") / "sweep"
+    multirun(sweep, *SWEEP, "seed=0,1", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2")
+    return sweep
+
+
 @pytest.fixture(scope="session")
 def tiny_runs(tmp_path_factory) -> Dict[str, Path]:
     """Every experiment at scale=tiny in one multirun of the real CLI (one process: fast),
     as {experiment name: run directory}. Shared by every test that needs a finished run."""
     sweep = tmp_path_factory.mktemp("tiny_sweep")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("HYDRA_FULL_ERROR", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "gradrepro", "-m", f"experiment={','.join(experiment_names())}",
-         "scale=tiny", f"hydra.sweep.dir={sweep}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    multirun(sweep, f"experiment={','.join(experiment_names())}", "scale=tiny", timeout=1800)
     found = {}
     for summary in sweep.rglob("summary.json"):
         if "references" in summary.relative_to(sweep).parts:

@@ -1,0 +1,102 @@
+"""``gradrepro.report``: the experiment list comes from the configs, controls are added, and
+the README has one row per published claim (check) with paper, measured, verdict, command."""
+
+from __future__ import annotations
+
+import io
+
+import pandas as pd
+import pytest
+from conftest import compose_config, experiment_names, run_module
+
+
+def test_report_selects_experiments_from_configs_and_adds_controls():
+    from gradrepro.report import select_experiments
+
+    assert select_experiments(None) == experiment_names()
+    assert select_experiments(["simsiam_nostop*"]) == ["simsiam_baseline", "simsiam_nostopgrad"]
+    with pytest.raises(SystemExit, match="no experiment matches"):
+        select_experiments(["zzz"])
+
+
+def test_sweep_command_is_one_joblib_multirun(tmp_path):
+    from gradrepro.report import sweep_command
+
+    cmd = sweep_command(["a", "b"], 3, 2, tmp_path, ["scale=tiny"])
+    assert cmd[1:] == [
+        "-m",
+        "gradrepro",
+        "-m",
+        "experiment=a,b",
+        "seed=0,1,2",
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        f"hydra.sweep.dir={tmp_path}",
+        "scale=tiny",
+    ]
+
+
+def test_report_from_a_sweep_has_one_row_per_claim_and_a_figure_per_experiment(
+    joblib_sweep, tmp_path
+):
+    proc = run_module(
+        "gradrepro.report", "--from-sweep", joblib_sweep, "--out", tmp_path, "--seeds", "2"
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = (tmp_path / "README.md").read_text()
+    claims = text.split("## Experiments")[0]
+    rows = [line for line in claims.splitlines() if line.startswith("| simsiam_")]
+    expected = {
+        name: compose_config([f"experiment={name}"]).signature.checks
+        for name in ("simsiam_baseline", "simsiam_nostopgrad")
+    }
+    assert len(rows) == sum(len(checks) for checks in expected.values())
+    for name, checks in expected.items():
+        mine = [r for r in rows if r.startswith(f"| {name} ")]
+        assert len(mine) == len(checks)
+        for row, check in zip(mine, checks):
+            assert check.paper in row
+            assert f"`python -m gradrepro experiment={name}`" in row
+            assert " ± " in row and "/2 seeds" in row
+    for name in expected:
+        assert (tmp_path / "figures" / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+        assert f"](figures/{name}.png)" in text
+
+
+@pytest.mark.slow
+def test_quick_report_runs_the_sweep_and_writes_the_readme(tmp_path):
+    proc = run_module(
+        "gradrepro.report",
+        "--quick",
+        "--experiments",
+        "simsiam_nostopgrad",
+        "--seeds",
+        "2",
+        "--jobs",
+        "2",
+        "--out",
+        tmp_path / "results",
+        "--sweep-dir",
+        tmp_path / "sweep",
+        "threads=1",
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = (tmp_path / "results" / "README.md").read_text()
+    assert text.startswith("# Reference results (QUICK")
+    claims = text.split("## Experiments")[0]
+    assert claims.count("| simsiam_nostopgrad ") == len(
+        compose_config(["experiment=simsiam_nostopgrad"]).signature.checks
+    )
+    runs = pd.read_csv(
+        io.StringIO(
+            run_module(
+                "gradrepro.compare", tmp_path / "sweep", "--format", "csv", "--table", "runs"
+            ).stdout
+        )
+    )
+    assert len(runs) == 4  # the experiment and its control, 2 seeds each
+    assert {p.name for p in (tmp_path / "results" / "figures").glob("*.png")} == {
+        "simsiam_baseline.png",
+        "simsiam_nostopgrad.png",
+    }
