@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Optional, Union
 
 import numpy as np
 import pandas as pd
@@ -20,7 +19,7 @@ from gradrepro import store
 from gradrepro.signature import RunRecords, observe
 
 
-def load_records(run_dir: Union[str, Path]) -> RunRecords:
+def load_records(run_dir: str | Path) -> RunRecords:
     """A run directory's records: scalars, modules and the constants of summary.json."""
     run_dir = Path(run_dir)
     summary = json.loads((run_dir / store.SUMMARY).read_text())
@@ -32,7 +31,7 @@ def load_records(run_dir: Union[str, Path]) -> RunRecords:
 
 
 def curve_distance(a: RunRecords, b: RunRecords, column: str = "loss",
-                   until_step: Optional[int] = None, log: bool = True) -> float:
+                   until_step: int | None = None, log: bool = True) -> float:
     """Root-mean-square difference of ``column`` (its log with ``log``) between two runs over
     the logged steps both have, up to ``until_step``. Runs with the same seed sample the
     same batches, so their per-batch losses are compared batch for batch."""

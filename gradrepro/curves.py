@@ -8,7 +8,6 @@ are in ``gradrepro/comparisons.py``, as pure functions of the runs' records.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import numpy as np
 import pandas as pd
@@ -16,8 +15,8 @@ import pandas as pd
 from gradrepro.signature import RunRecords, metric
 
 
-def _series(records: RunRecords, column: str, from_step: Optional[int] = None,
-             until_step: Optional[int] = None) -> pd.DataFrame:
+def _series(records: RunRecords, column: str, from_step: int | None = None,
+             until_step: int | None = None) -> pd.DataFrame:
     df = records.scalars[["step", column]].dropna()
     if from_step is not None:
         df = df[df["step"] >= from_step]
@@ -39,8 +38,8 @@ def steps_to(records: RunRecords, window: int, column: str, target: float,
 
 
 @metric("growth")
-def growth(records: RunRecords, window: int, column: str, from_step: Optional[int] = None,
-           until_step: Optional[int] = None) -> float:
+def growth(records: RunRecords, window: int, column: str, from_step: int | None = None,
+           until_step: int | None = None) -> float:
     """Least-squares line through ``column`` against step over [from_step, until_step]: its
     rise across the window in units of the line's value at the window's start. A quantity
     that grows linearly from g0 by g0 per step reads (steps in the window); a flat one ~0."""
@@ -54,8 +53,8 @@ def growth(records: RunRecords, window: int, column: str, from_step: Optional[in
 
 
 @metric("linear_r2")
-def linear_r2(records: RunRecords, window: int, column: str, from_step: Optional[int] = None,
-              until_step: Optional[int] = None) -> float:
+def linear_r2(records: RunRecords, window: int, column: str, from_step: int | None = None,
+              until_step: int | None = None) -> float:
     """R^2 of the least-squares line through ``column`` against step over the window."""
     df = _series(records, column, from_step, until_step)
     if len(df) < 3:
@@ -68,7 +67,7 @@ def linear_r2(records: RunRecords, window: int, column: str, from_step: Optional
 
 @metric("column_ratio")
 def column_ratio(records: RunRecords, window: int, numerator: str, denominator: str,
-                 from_step: Optional[int] = None, until_step: Optional[int] = None) -> float:
+                 from_step: int | None = None, until_step: int | None = None) -> float:
     """Median over the logged steps in the window of ``numerator / denominator``."""
     df = records.scalars[["step", numerator, denominator]].dropna()
     if from_step is not None:
@@ -82,7 +81,7 @@ def column_ratio(records: RunRecords, window: int, numerator: str, denominator: 
 
 @metric("module_column")
 def module_column(records: RunRecords, window: int, column: str, reduce: str = "max",
-                  from_step: Optional[int] = None, until_step: Optional[int] = None) -> float:
+                  from_step: int | None = None, until_step: int | None = None) -> float:
     """A ``modules.parquet`` column reduced (max, min, median, mean) over every tensor and
     logged step in the window, NaN values left out."""
     df = records.modules[["step", column]].dropna()

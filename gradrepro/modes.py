@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ def _under(name: str, prefixes: Sequence[str]) -> bool:
     return any(name == pre or name.startswith(pre + ".") for pre in prefixes)
 
 
-def hold_eval(net: nn.Module, prefixes: Sequence[str]) -> List[str]:
+def hold_eval(net: nn.Module, prefixes: Sequence[str]) -> list[str]:
     """Put the modules under ``prefixes`` (and their children) in eval mode; return their names.
 
     ``net.train()`` undoes this (it sets every child), so call it again after anything that
@@ -60,17 +61,17 @@ def modes_kept(net: nn.Module) -> Iterator[None]:
             module.training = flag
 
 
-def _buffers(net: nn.Module) -> Dict[str, torch.Tensor]:
+def _buffers(net: nn.Module) -> dict[str, torch.Tensor]:
     return {name: b.detach().clone() for name, b in net.named_buffers()}
 
 
-def _restore_buffers(net: nn.Module, saved: Dict[str, torch.Tensor]) -> None:
+def _restore_buffers(net: nn.Module, saved: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, b in net.named_buffers():
             b.copy_(saved[name])
 
 
-def _drift(net: nn.Module, saved: Dict[str, torch.Tensor], suffix: str) -> float:
+def _drift(net: nn.Module, saved: dict[str, torch.Tensor], suffix: str) -> float:
     """L2 norm of the change of every buffer named ``*suffix`` (all BN layers together)."""
     sq = 0.0
     for name, b in net.named_buffers():
@@ -93,7 +94,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _pass(net: nn.Module, objective: Any, x: torch.Tensor, y: torch.Tensor,
-          x2: Optional[torch.Tensor], batch_size: int) -> Optional[Dict[str, Any]]:
+          x2: torch.Tensor | None, batch_size: int) -> dict[str, Any] | None:
     """Loss, outputs and loss gradients over (x, y) in full batches of ``batch_size`` (a
     partial last batch would be another batch size: its examples are left out), in whatever
     mode ``net`` is in. Gradients come from ``torch.autograd.grad``: ``.grad`` is untouched.
@@ -102,8 +103,8 @@ def _pass(net: nn.Module, objective: Any, x: torch.Tensor, y: torch.Tensor,
     params = [p for _, p in named]
     grads = [torch.zeros_like(p) for p in params]
     present = [False] * len(params)
-    outputs: List[torch.Tensor] = []
-    calls: List[torch.Tensor] = []  # an objective may call the network more than once
+    outputs: list[torch.Tensor] = []
+    calls: list[torch.Tensor] = []  # an objective may call the network more than once
     handle = net.register_forward_hook(lambda m, i, o: calls.append(_flat(o)))
     n = len(x) - len(x) % batch_size if len(x) >= batch_size else len(x)
     loss_sum = 0.0
@@ -142,14 +143,14 @@ def _set_mode(net: nn.Module, mode: str, held: Sequence[str]) -> None:
 
 
 def diagnostic_pass(net: nn.Module, objective: Any, data: Any, cfg: Any,
-                    held: Sequence[str] = ()) -> Dict[str, float]:
+                    held: Sequence[str] = ()) -> dict[str, float]:
     """The diagnostic pass of ``eval.diagnose`` beside the eval-mode reference; run constants.
 
     Every pass starts from the same buffers; the network's buffers, modes and ``.grad`` are
     as before when this returns (the drift is measured, then undone)."""
     _, _, x, y = data.eval_sets()
     x2 = data.augment(x, torch.Generator().manual_seed(0)) if data.views else None
-    out: Dict[str, float] = {}
+    out: dict[str, float] = {}
     with modes_kept(net):
         saved = _buffers(net)
         _set_mode(net, "eval", held)
@@ -175,8 +176,9 @@ def diagnostic_pass(net: nn.Module, objective: Any, data: Any, cfg: Any,
         k = min(COMPANION_EXAMPLES, len(x) // 2)
         if k > 0 and len(x) >= 2 * k:
             rest = torch.arange(k, len(x))
-            first = torch.cat([torch.arange(k), rest[: cfg.batch_size - k]])
-            second = torch.cat([torch.arange(k), rest.flip(0)[: cfg.batch_size - k]])
+            c = max(cfg.batch_size - k, k)  # companions: the rest of a diagnostic batch
+            first = torch.cat([torch.arange(k), rest[:c]])
+            second = torch.cat([torch.arange(k), rest.flip(0)[:c]])
             outs = []
             for idx in (first, second):
                 _set_mode(net, cfg.mode, held)
@@ -197,19 +199,22 @@ def diagnostic_pass(net: nn.Module, objective: Any, data: Any, cfg: Any,
     return out
 
 
-def _compare(diag: Dict[str, Any], ref: Dict[str, Any]) -> Dict[str, float]:
+def _flat_grads(grads: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+def _compare(diag: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
     g_norm = np.array([float(g.double().norm()) for g in diag["grads"]])
     r_norm = np.array([float(g.double().norm()) for g in ref["grads"]])
     with np.errstate(divide="ignore", invalid="ignore"):
         norm_rel = np.abs(g_norm - r_norm) / r_norm
-    flat = lambda gs: torch.cat([g.reshape(-1) for g in gs])  # noqa: E731
     out = {
         "diag_raised": 0.0,
         "diag_loss": diag["loss"],
         "diag_loss_ref": ref["loss"],
         "diag_loss_rel_diff": abs(diag["loss"] - ref["loss"]) / abs(ref["loss"]),
         "diag_out_rel_diff": _rel(diag["out"], ref["out"]),
-        "diag_grad_rel_diff": _rel(flat(diag["grads"]), flat(ref["grads"])),
+        "diag_grad_rel_diff": _rel(_flat_grads(diag["grads"]), _flat_grads(ref["grads"])),
         "diag_grad_norm_rel_diff_median": float(np.nanmedian(norm_rel)),
         "diag_grad_norm_rel_diff_max": float(np.nanmax(norm_rel)),
         # Fraction of trainable tensors that got a gradient: eval mode is not no_grad.
@@ -234,7 +239,7 @@ class FrozenAudit:
         self.params = {name: p.detach().clone() for name, p in net.named_parameters() if name in frozen}
         self.buffers = {f"{m}.{b}": t.detach().clone() for m, mod in self.modules.items()
                         for b, t in mod.named_buffers() if t.is_floating_point()}
-        self.inputs: Dict[str, torch.Tensor] = {}
+        self.inputs: dict[str, torch.Tensor] = {}
         handles = [mod.register_forward_pre_hook(self._keep_input(name))
                    for name, mod in self.modules.items()]
         with modes_kept(net), torch.no_grad():
@@ -250,7 +255,7 @@ class FrozenAudit:
         return hook
 
     @torch.no_grad()
-    def _outputs(self) -> Dict[str, torch.Tensor]:
+    def _outputs(self) -> dict[str, torch.Tensor]:
         outs = {}
         for name, mod in self.modules.items():
             if name in self.inputs:
@@ -259,11 +264,11 @@ class FrozenAudit:
                     outs[name] = mod(self.inputs[name]).detach().clone()
         return outs
 
-    def finish(self, net: nn.Module) -> Dict[str, float]:
+    def finish(self, net: nn.Module) -> dict[str, float]:
         params = dict(net.named_parameters())
         buffers = {f"{m}.{b}": t for m, mod in self.modules.items() for b, t in mod.named_buffers()}
 
-        def change(now: Dict[str, torch.Tensor], start: Dict[str, torch.Tensor]) -> float:
+        def change(now: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> float:
             """L2 norm of the change of all the named tensors together."""
             if not start:
                 return math.nan

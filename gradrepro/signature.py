@@ -136,4 +136,4 @@ def format_verdict(verdict: Verdict, name: str) -> str:
 
 
 # Metrics defined in other modules register themselves on import.
-from gradrepro import curves  # noqa: E402, F401
+from gradrepro import curves  # noqa: F401
