@@ -177,6 +177,14 @@ def test_forgotten_zero_grad_is_a_running_sum_and_tells_itself_from_an_lr_lookal
         assert ((ratio > 3) if accumulates else (ratio == 1)).all(), ratio
 
 
+def test_bn_speedup_signature_fails_on_bn_none_within_the_same_budget(tmp_path):
+    # A shortened run: BN reaches the target inside it, the BN-free network does not.
+    b_cfg, b_sum, _ = run_quiet(tmp_path, "bn_speedup", "train.steps=120")
+    _, _, none = run_quiet(tmp_path, "bn_none", "train.steps=120")
+    assert b_sum["reproduced"], b_sum["checks"]
+    assert not evaluate(b_cfg.signature, none).reproduced
+
+
 @pytest.mark.slow
 def test_bn_speedup_reaches_the_target_in_fewer_steps_than_bn_none(tmp_path):
     bn, none = opposite(tmp_path, "bn_speedup", "bn_none")
