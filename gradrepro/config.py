@@ -27,12 +27,29 @@ class TrainConfig:
     # Modules (name prefixes) whose parameters are frozen: requires_grad=False and left out
     # of the optimizer (SimSiam Table 1b freezes the predictor at its random init).
     freeze: List[str] = field(default_factory=list)
+    # Mode policy: modules (name prefixes) held in eval mode while the rest trains, e.g. the
+    # BatchNorm layers of a frozen backbone, so their running statistics stop moving (issue 6).
+    eval_modules: List[str] = field(default_factory=list)
+
+
+@dataclass
+class DiagnoseConfig:
+    """A diagnostic pass (loss, gradients, per-module statistics) on the held-out set after
+    training, taken with the network in ``mode`` and compared with the eval-mode function
+    the model deploys (gradrepro/modes.py; BatchNorm's two functions, issue 6)."""
+
+    mode: Optional[str] = None  # null: no diagnostic pass | eval | train
+    batch_size: int = 128
+    # Extra passes at these batch sizes; batch statistics over 1 or 2 examples are the worst
+    # case in train mode (a batch of 1 raises ValueError there, recorded as a result).
+    small_batches: List[int] = field(default_factory=lambda: [2, 1])
 
 
 @dataclass
 class EvalConfig:
     every: int = 100  # steps between evaluations; evaluation also runs before step 0 and at the end
     knn_k: int = 20
+    diagnose: DiagnoseConfig = field(default_factory=DiagnoseConfig)
 
 
 @dataclass
@@ -88,6 +105,10 @@ class LoggerConfig:
     name: str = "none"
     folder: str = "tensorboard"
     histograms: bool = True
+
+    # For the first N steps the probe logs every step and rebuilds the running sum of the
+    # fresh gradients, to check what the optimizer stepped with (forgotten zero_grad, issue 6).
+    running_sum_steps: int = 0
 
 
 @dataclass
@@ -235,6 +256,12 @@ def validate(cfg: Any) -> None:
     positive("data.n_train", cfg.data.n_train)
     positive("data.n_test", cfg.data.n_test)
     positive("signature.window", cfg.signature.window)
+    positive("probe.running_sum_steps", cfg.probe.running_sum_steps, allow_zero=True)
+    if cfg.eval.diagnose.mode is not None:
+        choice("eval.diagnose.mode", cfg.eval.diagnose.mode, ("eval", "train"))
+        positive("eval.diagnose.batch_size", cfg.eval.diagnose.batch_size)
+        for size in cfg.eval.diagnose.small_batches:
+            positive("eval.diagnose.small_batches[]", size)
     choice("optim.name", cfg.optim.name, OPTIMIZERS)
     choice("optim.schedule", cfg.optim.schedule, SCHEDULES)
     choice("init.scheme", cfg.init.scheme, INIT_SCHEMES)

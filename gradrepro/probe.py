@@ -131,10 +131,17 @@ class Probe:
         self._contrib: Dict[str, List[torch.Tensor]] = {}
         self._pending: Optional[dict] = None
         self.loss_scale = 1.0
+        self.lr = math.nan  # the learning rate of the coming step, set by the runner
+        # What .grad held before this step's backward (None: nothing), and the probe's own
+        # running sum of fresh gradients over the first ``running_sum_steps`` steps.
+        self._carried: Optional[List[Optional[torch.Tensor]]] = None
+        self._running: Optional[List[torch.Tensor]] = None
+        self._summing = False
 
     # -- scheduling -------------------------------------------------------------------
     def logs(self, step: int) -> bool:
-        return step % self.cfg.every == 0 or step == self.total_steps - 1
+        return (step % self.cfg.every == 0 or step == self.total_steps - 1
+                or step < self.cfg.running_sum_steps)
 
     # -- forward/backward hooks (armed on logged steps only) ---------------------------
     def arm(self) -> None:
@@ -203,6 +210,14 @@ class Probe:
                 values[i] = norm
             self._contrib[term_name] = values
 
+    # -- before backward: what .grad already holds ---------------------------------------
+    def before_backward(self, step: int) -> None:
+        """Keep what ``.grad`` holds before this step's backward (a running sum when nothing
+        zeroed it), so that ``collect`` can tell the fresh gradient from the carried part."""
+        carried = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
+        self._carried = carried if any(c is not None for c in carried) else None
+        self._summing = step < self.cfg.running_sum_steps
+
     # -- gradients (after backward, before the optimizer step) ---------------------------
     def collect(self) -> None:
         grads = [p.grad for p in self.params]
@@ -210,6 +225,17 @@ class Probe:
         gs = [grads[i].detach() for i in have]
         device = self.params[0].device
         g_norm = _norms([g.float() for g in gs])
+        # This step's own gradient: .grad minus what it carried in (all of .grad after zero_grad).
+        carried = self._carried
+        self._carried = None
+        fresh = gs if carried is None else [
+            g if carried[i] is None else g - carried[i] for i, g in zip(have, gs)]
+        fresh_norm = g_norm if carried is None else _norms([f.float() for f in fresh])
+        if self._summing:
+            if self._running is None:
+                self._running = [torch.zeros_like(p, dtype=torch.float64) for p in self.params]
+            for i, f in zip(have, fresh):
+                self._running[i] += f.double()
         nonzero = [torch.count_nonzero(g) for g in gs]
         small = [(g.abs() <= FP16_FLUSH).sum() for g in gs]
         params = [p.detach() for p in self.params]
@@ -224,11 +250,13 @@ class Probe:
                 b.copy_(p)
         if gs:
             per_grad = torch.stack(
-                [torch.stack(g_norm).double(), torch.stack(nonzero).double(), torch.stack(small).double()]
+                [torch.stack(g_norm).double(), torch.stack(nonzero).double(), torch.stack(small).double(),
+                 torch.stack(fresh_norm).double()]
             )
         else:
-            per_grad = torch.zeros(3, 0, dtype=torch.float64, device=device)
-        self._pending = {"have": have, "per_grad": per_grad, "p_norm": torch.stack(p_norm).double(), "grads": gs}
+            per_grad = torch.zeros(4, 0, dtype=torch.float64, device=device)
+        self._pending = {"have": have, "per_grad": per_grad, "p_norm": torch.stack(p_norm).double(), "grads": gs,
+                         "fresh": fresh if self._summing else None}
 
     # -- after the optimizer step: update ratios and the one host transfer ---------------
     def after_step(self, step: int) -> Dict[str, np.ndarray]:
@@ -241,6 +269,7 @@ class Probe:
             for b, p in zip(self._buffer, params):
                 b.sub_(p)
         u_norm = torch.stack(_norms([b.float() for b in self._buffer])).double()
+        residuals = self._step_residuals(pending)
         act_names = [m for m in self.module_of]
         act = [self._act.get(m) for m in act_names]
         act_grad = [self._act_grad.get(m) for m in act_names]
@@ -252,6 +281,7 @@ class Probe:
             u_norm,
             torch.stack([a if a is not None else nan2 for a in act]).double().reshape(-1),
             torch.stack([a if a is not None else nan4 for a in act_grad]).double().reshape(-1),
+            residuals.reshape(-1),
         ]
         hist = None
         if self._act_grad_hist:  # optional: one row of HIST_COLUMNS counts per module
@@ -272,10 +302,11 @@ class Probe:
             offset += size
             return out
 
-        per_grad = take(3 * h).reshape(3, h)
+        per_grad = take(4 * h).reshape(4, h)
         p_norm, u_norm_h = take(n), take(n)
         act_h = take(2 * n).reshape(n, 2)
         act_grad_h = take(4 * n).reshape(n, 4)
+        resid_h = take(2 * n).reshape(2, n)
         hist_h = take(len(HIST_COLUMNS) * n).reshape(n, -1) if hist is not None else None
         contrib = {name: take(n) for name in contrib_names}
 
@@ -284,7 +315,8 @@ class Probe:
         g_norm = np.full(n, np.nan)
         nonzero = np.zeros(n)
         small = np.zeros(n)
-        g_norm[have], nonzero[have], small[have] = per_grad
+        fresh_norm = np.full(n, np.nan)
+        g_norm[have], nonzero[have], small[have], fresh_norm[have] = per_grad
         nonfinite = np.zeros(n)
         for j, i in enumerate(pending["have"]):
             if not math.isfinite(g_norm[i]):  # rare: count exactly, one extra sync
@@ -307,6 +339,14 @@ class Probe:
             "numel": self.numel.astype(np.int64),
             "grad_state": state,
             "grad_norm": g_norm,
+            # This step's backward alone; equals grad_norm unless .grad carried a sum in.
+            "fresh_grad_norm": fresh_norm,
+            # Over the first probe.running_sum_steps steps (NaN after): the step taken, read as
+            # a gradient (update / lr), against the fresh gradient and against the probe's own
+            # running sum of fresh gradients; ||a - b|| / ||b||. Plain SGD (no momentum or weight
+            # decay) steps with the fresh gradient when zero_grad runs, with the sum when it does not.
+            "step_vs_fresh": resid_h[0],
+            "step_vs_running_sum": resid_h[1],
             "param_norm": p_norm,
             "grad_to_param": g_to_p,
             "update_to_param": u_to_p,
@@ -325,3 +365,20 @@ class Probe:
         for name, values in contrib.items():
             columns[f"contrib_{name}"] = values
         return columns
+
+    def _step_residuals(self, pending: dict) -> torch.Tensor:
+        """2 x n: relative distance of (update / lr) from the fresh gradient and from the
+        running sum, per tensor; NaN outside the running-sum window. Uses ``self._buffer``,
+        which ``after_step`` has just turned into (before - after) = lr x the stepped gradient."""
+        n = len(self.params)
+        device = self._buffer[0].device
+        out = torch.full((2, n), float("nan"), dtype=torch.float64, device=device)
+        fresh = pending.get("fresh")
+        if fresh is None or not self._summing or not (self.lr > 0):
+            return out
+        for j, i in enumerate(pending["have"]):
+            stepped = self._buffer[i].double() / self.lr
+            for row, target in ((0, fresh[j].double()), (1, self._running[i])):
+                denom = torch.linalg.vector_norm(target)
+                out[row, i] = torch.linalg.vector_norm(stepped - target) / denom
+        return out

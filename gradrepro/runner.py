@@ -32,6 +32,7 @@ from gradrepro.figure import plot_signals
 from gradrepro.init import initialize
 from gradrepro.loggers import open_records
 from gradrepro.models import build_model
+from gradrepro.modes import FrozenAudit, diagnostic_pass, hold_eval
 from gradrepro.objectives import build_objective
 from gradrepro.optim import build_optimizer, freeze
 from gradrepro.precision import Precision
@@ -175,7 +176,9 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
     net = objective.wrap(build_model(cfg.model))
     initialize(net, cfg.init.scheme, cfg.init.std)
     net.to(device).train()
+    held = hold_eval(net, list(cfg.train.eval_modules))  # the mode policy
     frozen = freeze(net, list(cfg.train.freeze))
+    audit = FrozenAudit(net, frozen, data.eval_sets()[2][:256]) if frozen else None
     steps = cfg.train.steps
     optimizer, scheduler = build_optimizer(net, cfg.optim, steps)
     # A network may act once its optimizer exists (a case that replaces a module after the
@@ -190,6 +193,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
 
     def evaluate_at(step: int) -> None:
         records.add_scalars({"step": step, **objective.evaluate(net, data, knn_k=knn_k)})
+        hold_eval(net, held)  # evaluate's net.train() put every module back in train mode
 
     evaluate_at(0)
     constants = {f"{k}_init": v for k, v in records.scalar_rows[0].items() if k != "step"}
@@ -212,6 +216,9 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
             logged = logged or diverged  # record the step where it broke
             contribute = logged and cfg.probe.task_contribution and len(out.terms) > 1
             probe.loss_scale = precision.loss_scale
+            if logged:
+                probe.lr = optimizer.param_groups[0]["lr"]
+                probe.before_backward(step)
             precision.backward(out.loss, retain_graph=contribute)
             if contribute:
                 probe.contribution(out.terms)
@@ -232,6 +239,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
                 row = {"step": step, "loss": loss_value, "lr": scheduler.get_last_lr()[0],
                        "loss_scale": precision.loss_scale, "skipped_steps": skipped}
                 row["grad_norm"] = float(np.sqrt(np.nansum(columns["grad_norm"] ** 2)))
+                row["fresh_grad_norm"] = float(np.sqrt(np.nansum(columns["fresh_grad_norm"] ** 2)))
                 row.update({k: float(v) for k, v in out.scalars.items()})
                 records.add_scalars(row)
                 nonfinite_grads = bool((columns["grad_state"] == "nonfinite").any())
@@ -261,6 +269,10 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
         pass  # stop quickly: the records up to the signal are what the user asked to keep
     records.flush()
     records.close()
+    if audit is not None:
+        constants.update(audit.finish(net))
+    if cfg.eval.diagnose.mode is not None and status == "completed":
+        constants.update(diagnostic_pass(net, objective, data, cfg.eval.diagnose, held))
 
     scalars, modules = records.scalars(), records.modules()
     references, reference_runs = {}, {}
@@ -283,6 +295,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
         "constants": constants,
         "references": reference_runs,
         "frozen": frozen,
+        "eval_modules": held,
         "versions": versions(),
         "device": str(device) if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})",
         "threads": cfg.threads,

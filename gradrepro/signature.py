@@ -154,3 +154,7 @@ def format_verdict(verdict: Verdict, name: str) -> str:
     table = pd.DataFrame(rows).to_string(index=False) if rows else "(no checks)"
     head = f"{name}: signature {'REPRODUCED' if verdict.reproduced else 'not reproduced'}"
     return f"{head}\n{table}"
+
+
+# Metrics defined in other modules register themselves on import.
+from gradrepro import curves  # noqa: F401
