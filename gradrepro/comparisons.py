@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from gradrepro import store
-from gradrepro.signature import RunRecords, observe
+from gradrepro.signature import RunRecords, metric, observe
 
 
 def load_records(run_dir: str | Path) -> RunRecords:
@@ -54,3 +54,17 @@ def metric_ratio(numerator: RunRecords, denominator: RunRecords, metric: str,
     top = observe(metric, numerator, window, params)
     bottom = observe(metric, denominator, window, params)
     return top / bottom if bottom else math.nan
+
+
+@metric("curve_distance_ratio")
+def curve_distance_ratio(records: RunRecords, window: int, closer_to: str, than: str,
+                         column: str = "loss", until_step: int | None = None, log: bool = True) -> float:
+    """This run's curve distance to reference ``closer_to`` over its distance to reference
+    ``than`` (below 1: it looks more like the first), e.g. a forgotten zero_grad's early loss
+    curve against a raised-learning-rate lookalike and against its own control."""
+    refs = records.references
+    if closer_to not in refs or than not in refs:
+        return math.nan
+    near = curve_distance(records, refs[closer_to], column, until_step, log)
+    far = curve_distance(records, refs[than], column, until_step, log)
+    return near / far if far else math.nan

@@ -96,6 +96,9 @@ class ProbeConfig:
     # Per module, counts of log2|activation gradient| from 2^-40 to 2^0 plus an exact-zero
     # bin (probe.HIST_COLUMNS), as columns of modules.parquet. Off by default (43 columns).
     act_grad_hist: bool = False
+    # For the first N steps the probe logs every step and rebuilds the running sum of the
+    # fresh gradients, to check what the optimizer stepped with (forgotten zero_grad, issue 6).
+    running_sum_steps: int = 0
 
 
 @dataclass
@@ -106,9 +109,6 @@ class LoggerConfig:
     folder: str = "tensorboard"
     histograms: bool = True
 
-    # For the first N steps the probe logs every step and rebuilds the running sum of the
-    # fresh gradients, to check what the optimizer stepped with (forgotten zero_grad, issue 6).
-    running_sum_steps: int = 0
 
 
 @dataclass

@@ -111,9 +111,9 @@ def progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, disable=not sys.stderr.isatty(), leave=False, dynamic_ncols=True)
 
 
-# Overrides a reference run shares with the run that asked for it: what makes two runs
-# comparable (seed, size, device, budget), not the knob under study.
-REFERENCE_CARRY = ("seed", "scale", "device", "threads", "train.steps")
+# What a reference run shares with the run that asked for it: what makes two runs
+# comparable (seed, device, threads, step budget, scale), not the knob under study.
+REFERENCE_CARRY = ("seed", "device", "threads", "train.steps")
 _REFERENCE_MARK = "+_reference_of"
 
 
@@ -142,9 +142,8 @@ def run_references(cfg: DictConfig, run_dir: Path, overrides: Sequence[str]):
     import contextlib
     import io
 
-    carried = [o for o in overrides if o.split("=")[0].lstrip("+~") in REFERENCE_CARRY]
-    if not any(o.startswith("seed=") for o in carried):
-        carried.append(f"seed={cfg.seed}")
+    carried = [f"{key}={OmegaConf.select(cfg, key)}" for key in REFERENCE_CARRY]
+    carried += [o for o in overrides if o.startswith("scale=")]
     records, runs = {}, {}
     for name, experiment in cfg.references.items():
         ref_overrides = [f"experiment={experiment}", *carried]

@@ -46,6 +46,7 @@ class CheckResult:
     ok: bool
     paper: Optional[str] = None
     note: str = ""
+    params: Dict[str, Any] = field(default_factory=dict)  # how the metric was read
 
 
 @dataclass
@@ -122,7 +123,12 @@ def observe(name: str, records: RunRecords, window: int, params: Dict[str, Any])
 
 # Modules that register metrics with @metric on import. They import this module, so they
 # are loaded here, lazily, rather than at the top.
-METRIC_MODULES = ("gradrepro.curves", "gradrepro.precision", "gradrepro.objectives.missing_grad")
+METRIC_MODULES = (
+    "gradrepro.curves",
+    "gradrepro.comparisons",
+    "gradrepro.precision",
+    "gradrepro.objectives.missing_grad",
+)
 
 
 def load_metrics() -> None:
@@ -145,9 +151,8 @@ def evaluate(signature: Any, records: RunRecords) -> Verdict:
         except (KeyError, ValueError) as exc:
             observed, note = math.nan, str(exc)
         ok = bool(np.isfinite(observed) and OPS[op](observed, threshold))
-        results.append(
-            CheckResult(check["metric"], observed, op, threshold, ok, check.get("paper"), note)
-        )
+        results.append(CheckResult(check["metric"], observed, op, threshold, ok, check.get("paper"),
+                                   note, dict(check.get("params") or {})))
     return Verdict(reproduced=bool(results) and all(r.ok for r in results), checks=results)
 
 

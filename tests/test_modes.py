@@ -181,7 +181,10 @@ def test_bn_speedup_signature_fails_on_bn_none_within_the_same_budget(tmp_path):
     # A shortened run: BN reaches the target inside it, the BN-free network does not.
     b_cfg, b_sum, _ = run_quiet(tmp_path, "bn_speedup", "train.steps=120")
     _, _, none = run_quiet(tmp_path, "bn_none", "train.steps=120")
-    assert b_sum["reproduced"], b_sum["checks"]
+    # Within 120 steps the BN run reaches the target; the ratio check needs bn_none to reach
+    # it too, which it does only in the full budget (the slow test below).
+    absolute = [c for c in b_sum["checks"] if "relative_to" not in c["params"]]
+    assert absolute and absolute[0]["ok"], b_sum["checks"]
     assert not evaluate(b_cfg.signature, none).reproduced
 
 
