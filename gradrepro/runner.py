@@ -29,6 +29,7 @@ import gradrepro
 from gradrepro import store
 from gradrepro.config import validate
 from gradrepro.data import build_data
+from gradrepro.errors import UserError
 from gradrepro.figure import plot_signals
 from gradrepro.init import initialize
 from gradrepro.models import build_model
@@ -40,7 +41,18 @@ from gradrepro.signature import RunRecords, evaluate, format_verdict
 
 log = logging.getLogger(__name__)
 
-FLUSH_SECONDS = 10.0  # records are rewritten (atomically) at most this often during a run
+# Records are rewritten (atomically) right after the first logged step, then at most every
+# FLUSH_SECONDS during a run, and at the end. GRADREPRO_FLUSH_SECONDS changes the period
+# (tests use 0: a write on every logged step, to kill a run in the middle of one).
+FLUSH_SECONDS = 10.0
+
+
+def flush_seconds() -> float:
+    value = os.environ.get("GRADREPRO_FLUSH_SECONDS", str(FLUSH_SECONDS))
+    try:
+        return float(value)
+    except ValueError:
+        raise UserError(f"GRADREPRO_FLUSH_SECONDS={value!r} must be a number of seconds") from None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -94,9 +106,13 @@ class StopRequest:
         return self
 
     def _handle(self, signum, frame) -> None:
-        if self.signal is not None:  # a second signal: stop now
+        if self.signal is not None:  # a second signal: stop now (the records are still written)
             raise KeyboardInterrupt
         self.signal = signum
+
+    @property
+    def name(self) -> Optional[str]:
+        return signal.Signals(self.signal).name if self.signal is not None else None
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
@@ -110,11 +126,49 @@ def progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, disable=not sys.stderr.isatty(), leave=False, dynamic_ncols=True)
 
 
+class SafeBar:
+    """The progress bar, where a failure of the bar (a closed terminal, a formatting error)
+    switches the bar off with a warning and never stops training or costs records."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self._bar = None
+        self._call(lambda: setattr(self, "_bar", progress(total, desc)))
+
+    def _call(self, fn) -> None:
+        try:
+            fn()
+        except Exception as exc:
+            log.warning("progress bar switched off: %s", exc)
+            self._bar = None
+
+    def set_postfix(self, **kwargs: Any) -> None:
+        if self._bar is not None:
+            self._call(lambda: self._bar.set_postfix(**kwargs))
+
+    def update(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._call(lambda: self._bar.update(n))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._call(lambda: self._bar.close())
+
+
 def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[str, Any]:
-    """Train as ``cfg`` says, write the run directory, return the summary."""
+    """Train as ``cfg`` says, write the run directory, return the summary.
+
+    Whatever ends the run (the last step, a non-finite loss or gradient, SIGINT/SIGTERM, an
+    exception), the records so far are written and ``summary.json`` says which it was
+    (``status``); an exception is re-raised after that.
+    """
     validate(cfg)
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    store.ensure_writable_dir(run_dir)  # before any work: a read-only or full disk is one line
+    with StopRequest() as stop:
+        return _train(cfg, run_dir, overrides, stop)
+
+
+def _train(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopRequest) -> Dict[str, Any]:
     device = resolve_device(cfg.device)
     torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed, device)
@@ -139,12 +193,15 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
 
     evaluate_at(0)
     constants = {f"{k}_init": v for k, v in records.scalar_rows[0].items() if k != "step"}
-    status, stopped_at, skipped = "completed", None, 0
-    last_flush = time.monotonic()
-    bar = progress(steps, cfg.name)
+    status, stopped_at, skipped, error = "completed", None, 0, None
+    last_flush, period = None, flush_seconds()  # first flush right after the first logged step
+    bar = SafeBar(steps, cfg.name)
     step = 0
-    with StopRequest() as stop:
+    try:
         for step in range(steps):
+            if stop.signal is not None:  # a signal that came before this step
+                status, stopped_at = "interrupted", max(step - 1, 0)
+                break
             logged = probe.logs(step)
             if logged:
                 probe.arm()
@@ -177,7 +234,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
                 records.add_modules(columns)
                 row = {"step": step, "loss": loss_value, "lr": scheduler.get_last_lr()[0],
                        "loss_scale": precision.loss_scale, "skipped_steps": skipped}
-                row["grad_norm"] = float(np.sqrt(np.nansum(columns["grad_norm"] ** 2)))
+                row["grad_norm"] = total_grad_norm(columns)
                 row.update({k: float(v) for k, v in out.scalars.items()})
                 records.add_scalars(row)
                 nonfinite_grads = bool((columns["grad_state"] == "nonfinite").any())
@@ -195,16 +252,20 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
             if stop.signal is not None:
                 status, stopped_at = "interrupted", step
                 break
-            if time.monotonic() - last_flush > FLUSH_SECONDS:
-                records.flush()
+            if logged and (last_flush is None or time.monotonic() - last_flush > period):
+                flush_or_warn(records)
                 last_flush = time.monotonic()
         else:
             step = steps
+    except KeyboardInterrupt:  # a second signal, or Ctrl-C where no handler could be set
+        status, stopped_at = "interrupted", step
+    except Exception as exc:  # a bug or a runtime error: keep what was recorded, then re-raise
+        status, stopped_at, error = "failed", step, exc
     bar.close()
     if status == "completed" and steps > 0:
         evaluate_at(steps)
-    elif status == "interrupted":
-        pass  # stop quickly: the records up to the signal are what the user asked to keep
+    # An interrupted run stops quickly: the records up to the signal are what the user asked
+    # to keep. A diverged or failed run is evaluated on what exists.
     records.flush()
 
     scalars, modules = records.scalars(), records.modules()
@@ -228,7 +289,13 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
         "device": str(device) if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})",
         "threads": cfg.threads,
     }
+    if status == "interrupted":
+        summary["signal"] = stop.name or "SIGINT"
+    if error is not None:
+        summary["error"] = f"{type(error).__name__}: {error}"
     store.write_json(run_dir / store.SUMMARY, summary)
+    if error is not None:
+        raise error
     try:
         plot_signals(scalars, modules, run_dir / store.FIGURE, f"{cfg.name} (seed {cfg.seed}, {status})",
                      cfg.key_scalar)
@@ -237,3 +304,19 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
     print(format_verdict(verdict, cfg.name))
     print(f"status: {status}; run directory: {run_dir}")
     return summary
+
+
+def total_grad_norm(columns: Dict[str, np.ndarray]) -> float:
+    """The whole model's gradient norm: tensors without a gradient (``none``) are left out,
+    a non-finite one makes the total non-finite (it is recorded, never dropped)."""
+    has_grad = columns["grad_state"] != "none"
+    return float(np.sqrt(np.sum(np.asarray(columns["grad_norm"], dtype=float)[has_grad] ** 2)))
+
+
+def flush_or_warn(records: store.Records) -> None:
+    """A periodic flush that fails (a full disk) warns and keeps the records in memory for
+    the final write; training goes on."""
+    try:
+        records.flush()
+    except OSError as exc:
+        log.warning("could not write the records yet (%s); will try again at the end", exc)
