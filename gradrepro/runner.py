@@ -174,16 +174,23 @@ def _train(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopR
     seed_everything(cfg.seed, device)
     start = time.perf_counter()
 
-    data = build_data(cfg.data, cfg.seed).to(device)
-    objective = build_objective(cfg.objective)
-    net = objective.wrap(build_model(cfg.model))
-    initialize(net, cfg.init.scheme, cfg.init.std)
-    net.to(device).train()
-    frozen = freeze(net, list(cfg.train.freeze))
-    steps = cfg.train.steps
-    optimizer, scheduler = build_optimizer(net, cfg.optim, steps)
-    precision = Precision(cfg.precision, device)
-    probe = Probe(net, cfg.probe, steps)
+    what = "data"
+    try:  # a value only the building code rejects (a size, a missing table entry): one line
+        data = build_data(cfg.data, cfg.seed).to(device)
+        check_data_shape(data, cfg.data)
+        what = "model, objective or optimizer"
+        objective = build_objective(cfg.objective)
+        net = objective.wrap(build_model(cfg.model))
+        initialize(net, cfg.init.scheme, cfg.init.std)
+        net.to(device).train()
+        frozen = freeze(net, list(cfg.train.freeze))
+        steps = cfg.train.steps
+        optimizer, scheduler = build_optimizer(net, cfg.optim, steps)
+        precision = Precision(cfg.precision, device)
+        probe = Probe(net, cfg.probe, steps)
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError, MemoryError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"the {what} cannot be built from this config: {first}") from None
     records = store.Records(run_dir)
     generator = torch.Generator().manual_seed(cfg.seed)
     knn_k = cfg.eval.knn_k
@@ -304,6 +311,19 @@ def _train(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopR
     print(format_verdict(verdict, cfg.name))
     print(f"status: {status}; run directory: {run_dir}")
     return summary
+
+
+def check_data_shape(data: Any, cfg_data: Any) -> None:
+    """Models are built from ``data.channels`` and ``data.image_size``; a data choice whose
+    images differ (those keys overridden for data that fixes them) is bad input, not a crash
+    at the first forward pass."""
+    got = tuple(data.x_train.shape[1:])
+    said = (cfg_data.channels, cfg_data.image_size, cfg_data.image_size)
+    if got != said:
+        raise UserError(
+            f"data={cfg_data.name} gives images of {'x'.join(map(str, got))} but "
+            f"data.channels / data.image_size say {'x'.join(map(str, said))}; leave them at "
+            f"the data choice's values")
 
 
 def total_grad_norm(columns: Dict[str, np.ndarray]) -> float:
