@@ -17,7 +17,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Sequence
 
 from gradrepro.errors import EXIT_USER_ERROR, UserError
 
@@ -26,7 +26,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 _HYDRA_ONLY = ("help", "hydra_help", "cfg", "info", "shell_completion", "experimental_rerun")
 
 
-def group_options(group: str) -> List[str]:
+def group_options(group: str) -> list[str]:
     from hydra.core.global_hydra import GlobalHydra
 
     loader = GlobalHydra.instance().config_loader()
@@ -38,14 +38,14 @@ def _did_you_mean(word: str, options: Sequence[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _schemas() -> Dict[str, type]:
+def _schemas() -> dict[str, type]:
     """Every config dataclass by class name (the name Hydra's messages use)."""
     from gradrepro.config import Config
     from gradrepro.data import DATA_SCHEMAS
     from gradrepro.models import MODEL_SCHEMAS
     from gradrepro.objectives import OBJECTIVE_SCHEMAS
 
-    found: Dict[str, type] = {}
+    found: dict[str, type] = {}
     todo = [Config, *MODEL_SCHEMAS.values(), *DATA_SCHEMAS.values(), *OBJECTIVE_SCHEMAS.values()]
     while todo:
         cls = todo.pop()
@@ -104,7 +104,7 @@ def explain(exc: BaseException) -> str:
             return f"{full_key}: {first}" + (f" (in {where})" if where else "")
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     first = lines[0] if lines else type(exc).__name__
-    if len(lines) > 1 and (first.startswith("In '") or first.startswith("Error parsing override")):
+    if len(lines) > 1 and (first.startswith(("In '", "Error parsing override"))):
         first = f"{first}: {lines[1]}"  # the second line says what is wrong
     unset = re.match(r"Missing mandatory value: (\S+)", first)
     if unset:
@@ -118,7 +118,7 @@ def explain(exc: BaseException) -> str:
 _last_cfg = None
 
 
-def _valid_keys(err: BaseException, message: str, parent: str) -> List[str]:
+def _valid_keys(err: BaseException, message: str, parent: str) -> list[str]:
     """The keys the schema allows where an unknown key was found."""
     schema = getattr(err, "object_type", None)
     if not dataclasses.is_dataclass(schema):
@@ -129,7 +129,7 @@ def _valid_keys(err: BaseException, message: str, parent: str) -> List[str]:
     return _keys_at(parent)
 
 
-def _keys_at(parent: str) -> List[str]:
+def _keys_at(parent: str) -> list[str]:
     """Keys that exist at ``parent`` in the last composed (or base) config."""
     from omegaconf import OmegaConf
 
@@ -139,11 +139,11 @@ def _keys_at(parent: str) -> List[str]:
     try:
         node = OmegaConf.select(cfg, parent) if parent else cfg
         return sorted(str(k) for k in node.keys())
-    except Exception:  # a missing or non-dict parent: no listing
+    except Exception:  # noqa: BLE001 - a missing or non-dict parent: no listing
         return []
 
 
-def _sweep_variants(overrides: List[str]) -> List[List[str]]:
+def _sweep_variants(overrides: list[str]) -> list[list[str]]:
     """Override lists to compose: each sweep value once, the other sweeps at their first value."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import Glob
@@ -170,7 +170,7 @@ def _sweep_variants(overrides: List[str]) -> List[List[str]]:
     return variants
 
 
-def parse_argv(argv: Sequence[str]) -> Optional[argparse.Namespace]:
+def parse_argv(argv: Sequence[str]) -> argparse.Namespace | None:
     """Hydra's own reading of the command line; None where Hydra must answer (usage errors,
     ``--version``): it prints those itself."""
     from hydra._internal.utils import get_args_parser
@@ -186,7 +186,7 @@ def parse_argv(argv: Sequence[str]) -> Optional[argparse.Namespace]:
     return None if unknown else args
 
 
-def _searchpath_override(overrides: List[str], config_dir: Optional[str]) -> List[str]:
+def _searchpath_override(overrides: list[str], config_dir: str | None) -> list[str]:
     """``--config-dir DIR`` as the compose API understands it: a search-path entry."""
     if not config_dir:
         return overrides
@@ -200,7 +200,7 @@ def _searchpath_override(overrides: List[str], config_dir: Optional[str]) -> Lis
     return [*overrides, f"hydra.searchpath=[{entry}]"]
 
 
-def _config_dir(config_path: Optional[str]) -> Path:
+def _config_dir(config_path: str | None) -> Path:
     if not config_path:
         return CONFIG_DIR
     path = Path(config_path)  # Hydra: absolute, or relative to the file that declares main
@@ -231,7 +231,7 @@ def preflight(argv: Sequence[str]) -> None:
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
             try:
                 variants = _sweep_variants(overrides)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - Hydra raises many types
                 raise UserError(f"could not parse the overrides: {explain(exc)}") from None
             if len(variants) > 1 and not args.multirun:
                 raise UserError(
@@ -245,14 +245,14 @@ def preflight(argv: Sequence[str]) -> None:
                     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
                 except UserError:
                     raise
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - Hydra raises many types
                     raise UserError(explain(exc)) from None
                 try:
                     validate(cfg)
                     check_buildable(cfg)
                 except UserError:
                     raise
-                except Exception as exc:  # a value the checks could not even compare
+                except Exception as exc:  # noqa: BLE001 - a value the checks could not even compare
                     raise UserError(explain(exc)) from None
                 check_output_dir(config_name, variant, args.multirun)
     finally:
@@ -284,7 +284,7 @@ def check_buildable(cfg) -> None:
                         f"{first}") from None
 
 
-def _keys_holding(cfg, value) -> List[str]:
+def _keys_holding(cfg, value) -> list[str]:
     """The config keys whose value is ``value`` (to name the key behind a failed lookup)."""
     from omegaconf import OmegaConf
 
@@ -304,7 +304,7 @@ def _keys_holding(cfg, value) -> List[str]:
     return flat
 
 
-def check_output_dir(config_name: str, overrides: List[str], multirun: bool) -> None:
+def check_output_dir(config_name: str, overrides: list[str], multirun: bool) -> None:
     """The run (or sweep) folder must be creatable and writable before any training starts.
 
     Checks ``hydra.run.dir`` (``hydra.sweep.dir`` with -m). Where that path names values
@@ -319,13 +319,13 @@ def check_output_dir(config_name: str, overrides: List[str], multirun: bool) -> 
     try:
         hydra_cfg = compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
         path = OmegaConf.select(hydra_cfg, key)
-    except Exception:  # runtime-only interpolations: left to the runner
+    except Exception:  # noqa: BLE001 - runtime-only interpolations: left to the runner
         return
     if path:
         check_writable_path(Path(str(path)), key)
 
 
-def main(hydra_main, argv: Optional[Sequence[str]] = None) -> None:
+def main(hydra_main, argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_argv(argv)
     hydra_only = args is None or any(getattr(args, flag, None) for flag in _HYDRA_ONLY)

@@ -185,7 +185,7 @@ def register_configs() -> None:
     _registered = True
 
 
-def undeclared_keys(cfg: Any, prefix: str = "") -> List[tuple]:
+def undeclared_keys(cfg: Any, prefix: str = "") -> list[tuple]:
     """(key, valid keys) for every key that its schema does not declare.
 
     Hydra's ``+key=value`` adds a key even to a typed (structured) node; such a key would be
@@ -201,8 +201,8 @@ def undeclared_keys(cfg: Any, prefix: str = "") -> List[tuple]:
         schema = OmegaConf.get_type(cfg)
         if dataclasses.is_dataclass(schema):
             declared = {f.name for f in dataclasses.fields(schema)}
-            found += [(f"{prefix}{k}", sorted(declared)) for k in cfg.keys() if k not in declared]
-        for k in cfg.keys():
+            found += [(f"{prefix}{k}", sorted(declared)) for k in cfg if k not in declared]
+        for k in cfg:
             if not OmegaConf.is_missing(cfg, k) and not OmegaConf.is_interpolation(cfg, k):
                 found += undeclared_keys(cfg[k], f"{prefix}{k}.")
     elif isinstance(cfg, ListConfig):

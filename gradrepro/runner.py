@@ -111,7 +111,7 @@ class StopRequest:
         self.signal = signum
 
     @property
-    def name(self) -> Optional[str]:
+    def name(self) -> str | None:
         return signal.Signals(self.signal).name if self.signal is not None else None
 
     def __exit__(self, *exc) -> None:
@@ -137,7 +137,7 @@ class SafeBar:
     def _call(self, fn) -> None:
         try:
             fn()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the bar must never stop a run
             log.warning("progress bar switched off: %s", exc)
             self._bar = None
 
@@ -168,7 +168,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
         return _train(cfg, run_dir, overrides, stop)
 
 
-def _train(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopRequest) -> Dict[str, Any]:
+def _train(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopRequest) -> dict[str, Any]:
     device = resolve_device(cfg.device)
     torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed, device)
@@ -266,7 +266,7 @@ def _train(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopR
             step = steps
     except KeyboardInterrupt:  # a second signal, or Ctrl-C where no handler could be set
         status, stopped_at = "interrupted", step
-    except Exception as exc:  # a bug or a runtime error: keep what was recorded, then re-raise
+    except Exception as exc:  # noqa: BLE001 - a bug: keep what was recorded, then re-raise
         status, stopped_at, error = "failed", step, exc
     bar.close()
     if status == "completed" and steps > 0:
@@ -306,7 +306,7 @@ def _train(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopR
     try:
         plot_signals(scalars, modules, run_dir / store.FIGURE, f"{cfg.name} (seed {cfg.seed}, {status})",
                      cfg.key_scalar)
-    except Exception as exc:  # a figure never costs the records
+    except Exception as exc:  # noqa: BLE001 - a figure never costs the records
         log.warning("could not draw %s: %s", store.FIGURE, exc)
     print(format_verdict(verdict, cfg.name))
     print(f"status: {status}; run directory: {run_dir}")
@@ -326,7 +326,7 @@ def check_data_shape(data: Any, cfg_data: Any) -> None:
             f"the data choice's values")
 
 
-def total_grad_norm(columns: Dict[str, np.ndarray]) -> float:
+def total_grad_norm(columns: dict[str, np.ndarray]) -> float:
     """The whole model's gradient norm: tensors without a gradient (``none``) are left out,
     a non-finite one makes the total non-finite (it is recorded, never dropped)."""
     has_grad = columns["grad_state"] != "none"

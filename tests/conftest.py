@@ -89,7 +89,7 @@ TRACEBACK_MARKERS = ("Traceback (most recent call last)", "Error executing job",
                      "HYDRA_FULL_ERROR")
 
 
-def run_module(module: str, *args: str, timeout: float = 300, env: dict = None,
+def run_module(module: str, *args: str, timeout: float = 300, env: dict | None = None,
                cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """``python -m MODULE ARGS`` in a subprocess, with this checkout first on the path."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}

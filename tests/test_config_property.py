@@ -88,8 +88,8 @@ def check_clean(argv) -> bool:
     return True
 
 
-_SETTINGS = dict(deadline=None, derandomize=True, database=None,
-                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+_SETTINGS = {"deadline": None, "derandomize": True, "database": None,
+             "suppress_health_check": [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]}
 
 
 @settings(max_examples=25, **_SETTINGS)
@@ -103,7 +103,7 @@ _CAPS = {"train.steps": 3, "data.n_train": 128, "data.n_test": 64, "data.batch_s
 
 
 @pytest.mark.slow
-@settings(max_examples=int(os.environ.get("GRADREPRO_PROPERTY_EXAMPLES", 300)), **_SETTINGS)
+@settings(max_examples=int(os.environ.get("GRADREPRO_PROPERTY_EXAMPLES", "300")), **_SETTINGS)
 @given(argv=st.one_of(ARGV, PLAIN))
 def test_random_overrides_run_or_fail_in_one_line(argv, tmp_path_factory):
     from gradrepro import runner

@@ -76,7 +76,7 @@ def test_total_grad_norm_keeps_non_finite_and_skips_missing_gradients():
 # --- interruption -------------------------------------------------------------------------
 
 
-def start_run(run_dir: Path, *overrides: str, env: dict = None) -> subprocess.Popen:
+def start_run(run_dir: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     full_env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.Popen(

@@ -119,8 +119,8 @@ def test_the_inspection_catches_each_unsafe_read(snippet):
     "import numpy as np\nnp.load('x.npy')",
     "import json\njson.load(open('s.json'))",
     "import yaml\nyaml.load(open('c.yaml'), Loader=yaml.SafeLoader)",
-    "import pickle\nclass R(pickle.Unpickler):\n    def find_class(self, m, n):\n        raise"
-    " pickle.UnpicklingError(n)\nR(open('x', 'rb')).load()",
+    ("import pickle\nclass R(pickle.Unpickler):\n    def find_class(self, m, n):\n        raise"
+     " pickle.UnpicklingError(n)\nR(open('x', 'rb')).load()"),
 ])
 def test_the_inspection_allows_safe_reads(snippet):
     assert not unsafe_uses(snippet, "snippet.py")

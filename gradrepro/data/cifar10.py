@@ -51,13 +51,13 @@ class _ArraysOnly(pickle.Unpickler):
     builds dicts, lists, strings and numpy arrays and refuses every other global (Python docs,
     pickle, "Restricting Globals")."""
 
-    ALLOWED = {
+    ALLOWED = frozenset({
         ("numpy.core.multiarray", "_reconstruct"),
         ("numpy._core.multiarray", "_reconstruct"),
         ("numpy", "ndarray"),
         ("numpy", "dtype"),
         ("_codecs", "encode"),  # bytes inside protocol-2 pickles written by Python 3
-    }
+    })
 
     def find_class(self, module: str, name: str):
         if (module, name) not in self.ALLOWED:
@@ -72,7 +72,7 @@ def load_batch(path: str) -> tuple[np.ndarray, list]:
             entry = _ArraysOnly(f, encoding="latin1").load()
         data = np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
         labels = list(entry["labels"] if "labels" in entry else entry["fine_labels"])
-    except Exception as exc:  # a corrupt, truncated or hostile file: one line, not a traceback
+    except Exception as exc:  # noqa: BLE001 - a corrupt, truncated or hostile file: one line, not a traceback
         raise UserError(f"could not read the CIFAR-10 batch {path!r}: {exc}") from None
     return data.transpose(0, 2, 3, 1), labels
 
