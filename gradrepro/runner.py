@@ -206,8 +206,8 @@ def _train(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopR
     step = 0
     try:
         for step in range(steps):
-            if stop.signal is not None:  # a signal that came before this step
-                status, stopped_at = "interrupted", max(step - 1, 0)
+            if stop.signal is not None:  # a signal that came before this step (during setup)
+                status, stopped_at = "interrupted", (step - 1 if step else None)
                 break
             logged = probe.logs(step)
             if logged:
@@ -286,7 +286,7 @@ def _train(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopR
         "paper": OmegaConf.to_container(cfg.paper, resolve=True),
         "status": status,
         "stopped_at": stopped_at,
-        "steps": step if status == "completed" else (stopped_at or 0) + 1,
+        "steps": step if status == "completed" else (0 if stopped_at is None else stopped_at + 1),
         "wall_s": round(time.perf_counter() - start, 3),
         "seed": cfg.seed,
         "overrides": list(overrides),
