@@ -259,19 +259,29 @@ def preflight(argv: Sequence[str]) -> None:
         GlobalHydra.instance().clear()
 
 
+_built: set = set()
+
+
 def check_buildable(cfg) -> None:
     """Build the objective, model and optimizer once on the CPU (no data, no training), so a
     value that only the model's own code rejects (a zero width, say) is one line here."""
+    from omegaconf import OmegaConf
+
     from gradrepro.init import initialize
     from gradrepro.models import build_model
     from gradrepro.objectives import build_objective
     from gradrepro.optim import build_optimizer, freeze
 
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    key = repr([plain[k] for k in ("model", "objective", "init", "optim", "train")])
+    if key in _built:  # a sweep over seeds or data builds each distinct model once
+        return
     try:
         net = build_objective(cfg.objective).wrap(build_model(cfg.model))
         initialize(net, cfg.init.scheme, cfg.init.std)
         freeze(net, list(cfg.train.freeze))
         build_optimizer(net, cfg.optim, cfg.train.steps)
+        _built.add(key)
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - any error here is a config the code rejects
