@@ -188,8 +188,13 @@ def _train(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopR
         optimizer, scheduler = build_optimizer(net, cfg.optim, steps)
         precision = Precision(cfg.precision, device)
         probe = Probe(net, cfg.probe, steps)
+        what = "objective"
+        check_forward(objective, net, data, cfg.seed)
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError, MemoryError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if what == "objective":
+            raise UserError(f"the model and the data do not fit together (data.num_classes, "
+                            f"model.num_classes, sizes?): {first}") from None
         raise UserError(f"the {what} cannot be built from this config: {first}") from None
     records = store.Records(run_dir)
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -311,6 +316,18 @@ def _train(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopR
     print(format_verdict(verdict, cfg.name))
     print(f"status: {status}; run directory: {run_dir}")
     return summary
+
+
+def check_forward(objective: Any, net: torch.nn.Module, data: Any, seed: int) -> None:
+    """One loss on one batch before training, so that a model and data that do not fit
+    (fewer logits than classes, say) are one line, not a traceback at step 0. Changes no
+    state: eval mode (BatchNorm statistics untouched), no gradients, its own generator."""
+    net.eval()
+    try:
+        with torch.no_grad():
+            objective(net, data.sample(torch.Generator().manual_seed(seed)))
+    finally:
+        net.train()
 
 
 def check_data_shape(data: Any, cfg_data: Any) -> None:

@@ -183,7 +183,7 @@ _SUBPROCESS = [
 
 def _cli_case(args, fragments, paths, tmp_path) -> None:
     argv = _argv(args, paths, tmp_path / "run")
-    if "-m" in argv:
+    if "-m" in argv and not any(a.startswith("hydra.sweep.dir=") for a in argv):
         argv.append(f"hydra.sweep.dir={tmp_path / 'sweep'}")
     proc = run_module("gradrepro", *argv, timeout=120)
     assert_clean_error(proc.returncode, proc.stderr, *fragments)

@@ -277,6 +277,14 @@ def test_a_failing_periodic_flush_warns_and_training_goes_on(tmp_path, monkeypat
     assert read_all(tmp_path / "run")[store.SCALARS]["step"].max() == 6
 
 
+def test_a_model_that_does_not_fit_the_data_is_one_line_before_training(tmp_path):
+    # 2 logits for the 10 digit classes: found by the property test (a traceback at step 0).
+    with pytest.raises(UserError, match="do not fit together") as refused:
+        runner.run(compose_config([*TINY, "model.num_classes=2"]), tmp_path / "run")
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "run" / store.SCALARS).exists()
+
+
 def test_record_files_are_readable_by_others(tmp_path):
     store.write_json(tmp_path / "x.json", {"a": 1})
     mode = (tmp_path / "x.json").stat().st_mode & 0o777
