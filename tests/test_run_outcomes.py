@@ -153,23 +153,14 @@ def test_sigkill_leaves_no_half_written_file(tmp_path):
 def test_a_signal_in_process_writes_the_summary(tmp_path, monkeypatch):
     """The in-process path (runner.run), with a signal raised from inside the loop."""
     cfg = compose_config([*LONG])
-    calls = {"n": 0}
-    real_sample = runner.build_data
+    real_after_step = runner.Probe.after_step
 
-    def data_that_signals(cfg_data, seed):
-        data = real_sample(cfg_data, seed)
-        sample = data.sample
+    def after_step_then_signal(self, step):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_after_step(self, step)
 
-        def sample_and_signal(generator):
-            calls["n"] += 1
-            if calls["n"] == 3:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return sample(generator)
-
-        data.sample = sample_and_signal
-        return data
-
-    monkeypatch.setattr(runner, "build_data", data_that_signals)
+    monkeypatch.setattr(runner.Probe, "after_step", after_step_then_signal)
     summary = runner.run(cfg, tmp_path / "run")
     assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM"
     assert summary["stopped_at"] == 2
