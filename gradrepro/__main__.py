@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -22,10 +23,13 @@ def hydra_main(cfg: DictConfig) -> None:
 
     hc = HydraConfig.get()
     try:
-        run(cfg, Path(hc.runtime.output_dir), overrides=list(hc.overrides.task))
+        summary = run(cfg, Path(hc.runtime.output_dir), overrides=list(hc.overrides.task))
     except UserError as exc:
         print(f"gradrepro: error: {exc}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
+    if summary["status"] == "interrupted":
+        # The shell's convention (128 + signal number): scripts and sweeps stop here too.
+        sys.exit(128 + signal.Signals[summary["signal"]].value)
 
 
 def main() -> None:

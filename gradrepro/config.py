@@ -227,6 +227,33 @@ def register_configs() -> None:
     _registered = True
 
 
+def undeclared_keys(cfg: Any, prefix: str = "") -> list[tuple]:
+    """(key, valid keys) for every key that its schema does not declare.
+
+    Hydra's ``+key=value`` adds a key even to a typed (structured) node; such a key would be
+    silently ignored by the code, so a misspelt ``+optim.lrr=0.1`` is caught here instead.
+    Free-form nodes (``paper``, a check's ``params``) accept any key.
+    """
+    import dataclasses
+
+    from omegaconf import DictConfig, ListConfig
+
+    found = []
+    if isinstance(cfg, DictConfig):
+        schema = OmegaConf.get_type(cfg)
+        if dataclasses.is_dataclass(schema):
+            declared = {f.name for f in dataclasses.fields(schema)}
+            found += [(f"{prefix}{k}", sorted(declared)) for k in cfg if k not in declared]
+        for k in cfg:
+            if not OmegaConf.is_missing(cfg, k) and not OmegaConf.is_interpolation(cfg, k):
+                found += undeclared_keys(cfg[k], f"{prefix}{k}.")
+    elif isinstance(cfg, ListConfig):
+        for i in range(len(cfg)):
+            if not OmegaConf.is_missing(cfg, i) and not OmegaConf.is_interpolation(cfg, i):
+                found += undeclared_keys(cfg[i], f"{prefix[:-1]}[{i}].")
+    return found
+
+
 def validate(cfg: Any) -> None:
     """Range and availability checks the schema's types cannot express. Raises UserError."""
     from gradrepro.errors import UserError
@@ -235,17 +262,39 @@ def validate(cfg: Any) -> None:
     from gradrepro.precision import PRECISION_MODES
     from gradrepro.signature import OPS
 
+    for key, valid in undeclared_keys(cfg)[:1]:
+        from gradrepro.cli import unknown_key_message
+
+        raise UserError(unknown_key_message(key, valid, note="added with '+'"))
+
     def choice(key: str, value: Any, valid: Any) -> None:
         if value not in valid:
             raise UserError(f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, valid))}")
 
     def positive(key: str, value: Any, allow_zero: bool = False) -> None:
-        if value < 0 or (value == 0 and not allow_zero):
-            raise UserError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            raise UserError(f"{key}={value} must be a finite number {'>= 0' if allow_zero else '> 0'}")
+
+    def unit(key: str, value: float) -> None:  # torch's optimizers reject values outside [0, 1)
+        if not (math.isfinite(value) and 0 <= value < 1):
+            raise UserError(f"{key}={value} must be >= 0 and < 1")
 
     positive("train.steps", cfg.train.steps, allow_zero=True)
     if cfg.train.steps > 0:
         positive("optim.lr", cfg.optim.lr)
+    else:
+        positive("optim.lr", cfg.optim.lr, allow_zero=True)
+    if not 0 <= cfg.seed < 2**32:  # numpy's seed range
+        raise UserError(f"seed={cfg.seed} must be >= 0 and < 2**32")
+    positive("optim.momentum", cfg.optim.momentum, allow_zero=True)
+    positive("optim.weight_decay", cfg.optim.weight_decay, allow_zero=True)
+    if len(cfg.optim.betas) != 2:
+        raise UserError(f"optim.betas={list(cfg.optim.betas)} must be two numbers, e.g. [0.9,0.999]")
+    for i, beta in enumerate(cfg.optim.betas):
+        unit(f"optim.betas[{i}]", beta)
+    if cfg.train.grad_clip is not None:
+        positive("train.grad_clip", cfg.train.grad_clip)
+    positive("init.std", cfg.init.std, allow_zero=True)
     positive("probe.every", cfg.probe.every)
     positive("probe.act_sample", cfg.probe.act_sample)
     positive("probe.tiny_factor", cfg.probe.tiny_factor)
@@ -269,7 +318,7 @@ def validate(cfg: Any) -> None:
     if str(cfg.precision.loss_scale) != "dynamic":
         try:
             scale = float(cfg.precision.loss_scale)
-        except ValueError:
+        except (TypeError, ValueError):
             raise UserError(
                 f"precision.loss_scale={cfg.precision.loss_scale!r} must be a number > 0 or 'dynamic'"
             ) from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import platform
 import random
 import signal
@@ -28,6 +29,7 @@ import gradrepro
 from gradrepro import store
 from gradrepro.config import validate
 from gradrepro.data import build_data
+from gradrepro.errors import UserError
 from gradrepro.figure import plot_signals
 from gradrepro.init import initialize
 from gradrepro.loggers import open_records
@@ -41,7 +43,18 @@ from gradrepro.signature import RunRecords, evaluate, format_verdict
 
 log = logging.getLogger(__name__)
 
-FLUSH_SECONDS = 10.0  # records are rewritten (atomically) at most this often during a run
+# Records are rewritten (atomically) right after the first logged step, then at most every
+# FLUSH_SECONDS during a run, and at the end. GRADREPRO_FLUSH_SECONDS changes the period
+# (tests use 0: a write on every logged step, to kill a run in the middle of one).
+FLUSH_SECONDS = 10.0
+
+
+def flush_seconds() -> float:
+    value = os.environ.get("GRADREPRO_FLUSH_SECONDS", str(FLUSH_SECONDS))
+    try:
+        return float(value)
+    except ValueError:
+        raise UserError(f"GRADREPRO_FLUSH_SECONDS={value!r} must be a number of seconds") from None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -95,9 +108,13 @@ class StopRequest:
         return self
 
     def _handle(self, signum, frame) -> None:
-        if self.signal is not None:  # a second signal: stop now
+        if self.signal is not None:  # a second signal: stop now (the records are still written)
             raise KeyboardInterrupt
         self.signal = signum
+
+    @property
+    def name(self) -> str | None:
+        return signal.Signals(self.signal).name if self.signal is not None else None
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
@@ -160,32 +177,82 @@ def run_references(cfg: DictConfig, run_dir: Path, overrides: Sequence[str]):
     return records, runs
 
 
+class SafeBar:
+    """The progress bar, where a failure of the bar (a closed terminal, a formatting error)
+    switches the bar off with a warning and never stops training or costs records."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self._bar = None
+        self._call(lambda: setattr(self, "_bar", progress(total, desc)))
+
+    def _call(self, fn) -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the bar must never stop a run
+            log.warning("progress bar switched off: %s", exc)
+            self._bar = None
+
+    def set_postfix(self, **kwargs: Any) -> None:
+        if self._bar is not None:
+            self._call(lambda: self._bar.set_postfix(**kwargs))
+
+    def update(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._call(lambda: self._bar.update(n))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._call(lambda: self._bar.close())
+
+
 def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[str, Any]:
-    """Train as ``cfg`` says, write the run directory, return the summary."""
+    """Train as ``cfg`` says, write the run directory, return the summary.
+
+    Whatever ends the run (the last step, a non-finite loss or gradient, SIGINT/SIGTERM, an
+    exception), the records so far are written and ``summary.json`` says which it was
+    (``status``); an exception is re-raised after that.
+    """
     validate(cfg)
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    store.ensure_writable_dir(run_dir)  # before any work: a read-only or full disk is one line
+    with StopRequest() as stop:
+        return _train(cfg, run_dir, overrides, stop)
+
+
+def _train(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopRequest) -> dict[str, Any]:
     device = resolve_device(cfg.device)
     torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed, device)
     start = time.perf_counter()
 
-    data = build_data(cfg.data, cfg.seed).to(device)
-    objective = build_objective(cfg.objective)
-    net = objective.wrap(build_model(cfg.model))
-    initialize(net, cfg.init.scheme, cfg.init.std)
-    net.to(device).train()
-    held = hold_eval(net, list(cfg.train.eval_modules))  # the mode policy
-    frozen = freeze(net, list(cfg.train.freeze))
-    audit = FrozenAudit(net, frozen, data.eval_sets()[2][:256]) if frozen else None
-    steps = cfg.train.steps
-    optimizer, scheduler = build_optimizer(net, cfg.optim, steps)
-    # A network may act once its optimizer exists (a case that replaces a module after the
-    # optimizer was built; an evaluation that diagnoses one step of that optimizer).
-    if callable(getattr(net, "on_optimizer", None)):
-        net.on_optimizer(optimizer)
-    precision = Precision(cfg.precision, device)
-    probe = Probe(net, cfg.probe, steps)
+    what = "data"
+    try:  # a value only the building code rejects (a size, a missing table entry): one line
+        data = build_data(cfg.data, cfg.seed).to(device)
+        check_data_shape(data, cfg.data)
+        what = "model, objective or optimizer"
+        objective = build_objective(cfg.objective)
+        net = objective.wrap(build_model(cfg.model))
+        initialize(net, cfg.init.scheme, cfg.init.std)
+        net.to(device).train()
+        held = hold_eval(net, list(cfg.train.eval_modules))  # the mode policy
+        frozen = freeze(net, list(cfg.train.freeze))
+        audit = FrozenAudit(net, frozen, data.eval_sets()[2][:256]) if frozen else None
+        steps = cfg.train.steps
+        optimizer, scheduler = build_optimizer(net, cfg.optim, steps)
+        # A network may act once its optimizer exists (a case that replaces a module after the
+        # optimizer was built; an evaluation that diagnoses one step of that optimizer).
+        if callable(getattr(net, "on_optimizer", None)):
+            net.on_optimizer(optimizer)
+        precision = Precision(cfg.precision, device)
+        probe = Probe(net, cfg.probe, steps)
+        what = "objective"
+        check_forward(objective, net, data, cfg.seed)
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError, MemoryError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if what == "objective":
+            raise UserError(f"the model and the data do not fit together (data.num_classes, "
+                            f"model.num_classes, sizes?): {first}") from None
+        raise UserError(f"the {what} cannot be built from this config: {first}") from None
     records = open_records(cfg.logger, run_dir, net)  # logger=tensorboard also writes there
     generator = torch.Generator().manual_seed(cfg.seed)
     knn_k = cfg.eval.knn_k
@@ -196,12 +263,15 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
 
     evaluate_at(0)
     constants = {f"{k}_init": v for k, v in records.scalar_rows[0].items() if k != "step"}
-    status, stopped_at, skipped = "completed", None, 0
-    last_flush = time.monotonic()
-    bar = progress(steps, cfg.name)
+    status, stopped_at, skipped, error = "completed", None, 0, None
+    last_flush, period = None, flush_seconds()  # first flush right after the first logged step
+    bar = SafeBar(steps, cfg.name)
     step = 0
-    with StopRequest() as stop:
+    try:
         for step in range(steps):
+            if stop.signal is not None:  # a signal that came before this step (during setup)
+                status, stopped_at = "interrupted", (step - 1 if step else None)
+                break
             logged = probe.logs(step)
             if logged:
                 probe.arm()
@@ -237,7 +307,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
                 records.add_modules(columns)
                 row = {"step": step, "loss": loss_value, "lr": scheduler.get_last_lr()[0],
                        "loss_scale": precision.loss_scale, "skipped_steps": skipped}
-                row["grad_norm"] = float(np.sqrt(np.nansum(columns["grad_norm"] ** 2)))
+                row["grad_norm"] = total_grad_norm(columns)
                 row["fresh_grad_norm"] = float(np.sqrt(np.nansum(columns["fresh_grad_norm"] ** 2)))
                 row.update({k: float(v) for k, v in out.scalars.items()})
                 records.add_scalars(row)
@@ -256,16 +326,20 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
             if stop.signal is not None:
                 status, stopped_at = "interrupted", step
                 break
-            if time.monotonic() - last_flush > FLUSH_SECONDS:
-                records.flush()
+            if logged and (last_flush is None or time.monotonic() - last_flush > period):
+                flush_or_warn(records)
                 last_flush = time.monotonic()
         else:
             step = steps
+    except KeyboardInterrupt:  # a second signal, or Ctrl-C where no handler could be set
+        status, stopped_at = "interrupted", step
+    except Exception as exc:  # noqa: BLE001 - a bug: keep what was recorded, then re-raise
+        status, stopped_at, error = "failed", step, exc
     bar.close()
     if status == "completed" and steps > 0:
         evaluate_at(steps)
-    elif status == "interrupted":
-        pass  # stop quickly: the records up to the signal are what the user asked to keep
+    # An interrupted run stops quickly: the records up to the signal are what the user asked
+    # to keep. A diverged or failed run is evaluated on what exists.
     records.flush()
     records.close()
     if audit is not None:
@@ -287,7 +361,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
         "paper": OmegaConf.to_container(cfg.paper, resolve=True),
         "status": status,
         "stopped_at": stopped_at,
-        "steps": step if status == "completed" else (stopped_at or 0) + 1,
+        "steps": step if status == "completed" else (0 if stopped_at is None else stopped_at + 1),
         "wall_s": round(time.perf_counter() - start, 3),
         "seed": cfg.seed,
         "overrides": list(overrides),
@@ -299,12 +373,61 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
         "device": str(device) if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})",
         "threads": cfg.threads,
     }
+    if status == "interrupted":
+        summary["signal"] = stop.name or "SIGINT"
+    if error is not None:
+        summary["error"] = f"{type(error).__name__}: {error}"
     store.write_json(run_dir / store.SUMMARY, summary)
+    if error is not None:
+        raise error
     try:
         plot_signals(scalars, modules, run_dir / store.FIGURE, f"{cfg.name} (seed {cfg.seed}, {status})",
                      cfg.key_scalar)
-    except Exception as exc:  # a figure never costs the records
+    except Exception as exc:  # noqa: BLE001 - a figure never costs the records
         log.warning("could not draw %s: %s", store.FIGURE, exc)
     print(format_verdict(verdict, cfg.name))
     print(f"status: {status}; run directory: {run_dir}")
     return summary
+
+
+def check_forward(objective: Any, net: torch.nn.Module, data: Any, seed: int) -> None:
+    """One loss on one batch before training, so that a model and data that do not fit
+    (fewer logits than classes, say) are one line, not a traceback at step 0. Changes no
+    state: eval mode (BatchNorm statistics untouched), no gradients, its own generator."""
+    modes = [(m, m.training) for m in net.modules()]  # restored exactly (a mode policy)
+    net.eval()
+    try:
+        with torch.no_grad():
+            objective(net, data.sample(torch.Generator().manual_seed(seed)))
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def check_data_shape(data: Any, cfg_data: Any) -> None:
+    """Models are built from ``data.channels`` and ``data.image_size``; a data choice whose
+    images differ (those keys overridden for data that fixes them) is bad input, not a crash
+    at the first forward pass."""
+    got = tuple(data.x_train.shape[1:])
+    said = (cfg_data.channels, cfg_data.image_size, cfg_data.image_size)
+    if got != said:
+        raise UserError(
+            f"data={cfg_data.name} gives images of {'x'.join(map(str, got))} but "
+            f"data.channels / data.image_size say {'x'.join(map(str, said))}; leave them at "
+            f"the data choice's values")
+
+
+def total_grad_norm(columns: dict[str, np.ndarray]) -> float:
+    """The whole model's gradient norm: tensors without a gradient (``none``) are left out,
+    a non-finite one makes the total non-finite (it is recorded, never dropped)."""
+    has_grad = columns["grad_state"] != "none"
+    return float(np.sqrt(np.sum(np.asarray(columns["grad_norm"], dtype=float)[has_grad] ** 2)))
+
+
+def flush_or_warn(records: store.Records) -> None:
+    """A periodic flush that fails (a full disk) warns and keeps the records in memory for
+    the final write; training goes on."""
+    try:
+        records.flush()
+    except OSError as exc:
+        log.warning("could not write the records yet (%s); will try again at the end", exc)

@@ -72,14 +72,6 @@ def experiment_names() -> List[str]:
     )
 
 
-def run_module(module: str, *args, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python -m MODULE ARGS`` from the repository root, output captured."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
 def multirun(sweep_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """A ``-m`` sweep into ``sweep_dir``; fails the test with Hydra's stderr if it fails."""
     proc = run_module("gradrepro", "-m", *overrides, f"hydra.sweep.dir={sweep_dir}", timeout=timeout)
@@ -136,3 +128,33 @@ def cli(tmp_path):
         return run_cli(tmp_path / f"run{next(counter)}", *overrides, **kwargs)
 
     return _run
+
+
+# --- bad input, for every entry point (python -m gradrepro, gradrepro.compare, ...) --------
+
+TRACEBACK_MARKERS = ("Traceback (most recent call last)", "Error executing job",
+                     "HYDRA_FULL_ERROR")
+
+
+def run_module(module: str, *args, timeout: float = 300, env: dict | None = None,
+               cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` in a subprocess, with this checkout first on the path."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    full_env.pop("HYDRA_FULL_ERROR", None)
+    if env and "HYDRA_FULL_ERROR" in env:
+        full_env["HYDRA_FULL_ERROR"] = env["HYDRA_FULL_ERROR"]
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def assert_clean_error(returncode: int, stderr: str, *fragments: str) -> str:
+    """Bad input: exit code 2 and exactly one non-empty stderr line that contains every
+    fragment (case-insensitive); no traceback. Returns the line."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert returncode == 2, f"exit code {returncode}, stderr:\n{stderr}"
+    assert len(lines) == 1, f"expected one line, got {len(lines)}:\n{stderr}"
+    line = lines[0]
+    assert not any(m in stderr for m in TRACEBACK_MARKERS), stderr
+    for fragment in fragments:
+        assert fragment.lower() in line.lower(), f"{fragment!r} not in {line!r}"
+    return line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,31 +30,68 @@ class Cifar10Config(DataBase):
     view_shift: int = 4  # random-crop style translation, pixels
 
 
+_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
+_TEST_FILES = ("test_batch",)
+
+
 def check_cifar10_root(root: str) -> None:
     folder = os.path.join(root, "cifar-10-batches-py")
-    if not os.path.isdir(folder):
+    missing = [f for f in _TRAIN_FILES + _TEST_FILES if not os.path.isfile(os.path.join(folder, f))]
+    if missing:
         raise UserError(
-            f"data.root={root!r} does not hold CIFAR-10 (expected the folder {folder!r} "
-            "from torchvision's CIFAR10 archive); nothing is downloaded at run time: put the "
+            f"data.root={root!r} does not hold CIFAR-10 (expected {folder!r} with "
+            f"{', '.join(_TRAIN_FILES + _TEST_FILES)}; missing: {', '.join(missing)}) from the "
+            "python version of the CIFAR-10 archive; nothing is downloaded at run time: put the "
             "extracted archive there or choose data=digits or data=patterns"
         )
 
 
+class _ArraysOnly(pickle.Unpickler):
+    """CIFAR-10's python batches are pickles; a pickle can run any code it names. This one
+    builds dicts, lists, strings and numpy arrays and refuses every other global (Python docs,
+    pickle, "Restricting Globals")."""
+
+    ALLOWED = frozenset({
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("_codecs", "encode"),  # bytes inside protocol-2 pickles written by Python 3
+    })
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refusing to load the global {module}.{name}")
+        return super().find_class(module, name)
+
+
+def load_batch(path: str) -> tuple[np.ndarray, list]:
+    """(images NxHxWxC uint8, labels) of one CIFAR-10 python batch, without trusting the file."""
+    try:
+        with open(path, "rb") as f:
+            entry = _ArraysOnly(f, encoding="latin1").load()
+        data = np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+        labels = list(entry["labels"] if "labels" in entry else entry["fine_labels"])
+    except Exception as exc:  # noqa: BLE001 - a corrupt, truncated or hostile file: one line, not a traceback
+        raise UserError(f"could not read the CIFAR-10 batch {path!r}: {exc}") from None
+    return data.transpose(0, 2, 3, 1), labels
+
+
 class Cifar10(ImageData):
     def __init__(self, cfg: Cifar10Config, seed: int) -> None:
-        from torchvision.datasets import CIFAR10
-
         root = os.path.expanduser(cfg.root)
         check_cifar10_root(root)
-        try:
-            train = CIFAR10(root, train=True, download=False)
-            test = CIFAR10(root, train=False, download=False)
-        except Exception as exc:  # torchvision reports a corrupt or partial folder this way
-            raise UserError(f"data.root={root!r}: could not read CIFAR-10 ({exc})") from exc
+        folder = os.path.join(root, "cifar-10-batches-py")
 
-        def tensors(ds, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-            x = torch.from_numpy(np.asarray(ds.data[:n])).permute(0, 3, 1, 2).float() / 255
-            y = torch.tensor(ds.targets[:n], dtype=torch.long)
+        def read(files: tuple) -> tuple[np.ndarray, list]:
+            parts = [load_batch(os.path.join(folder, f)) for f in files]
+            return np.concatenate([p[0] for p in parts]), [y for p in parts for y in p[1]]
+
+        train, test = read(_TRAIN_FILES), read(_TEST_FILES)
+
+        def tensors(split: tuple, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            x = torch.from_numpy(np.ascontiguousarray(split[0][:n])).permute(0, 3, 1, 2).float() / 255
+            y = torch.tensor(split[1][:n], dtype=torch.long)
             return (x - _MEAN) / _STD, y
 
         x_train, y_train = tensors(train, cfg.n_train)
