@@ -80,7 +80,8 @@ def explain(exc: BaseException) -> str:
         path = missing.group(1)
         group, _, choice = path.rpartition("/")
         if group:
-            options = group_options(group)
+            local = CONFIG_DIR / group
+            options = group_options_recursive(group) if local.is_dir() else group_options(group)
             return (f"unknown {group} {choice!r}{_did_you_mean(choice, options)}; "
                     f"valid choices: {', '.join(options)}")
         return f"config {path!r} not found"
