@@ -1,8 +1,12 @@
-"""Every issue-6 experiment runs end to end through the real CLI at scale=tiny."""
+"""Every issue-6 experiment runs end to end through the real CLI at scale=tiny (the
+session's shared multirun, conftest.tiny_runs)."""
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
+
+from gradrepro.store import read_run
 
 MODE_EXPERIMENTS = [
     "bn_diagnose_in_eval_mode", "bn_diagnose_in_train_mode", "bn_none", "bn_speedup",
@@ -12,11 +16,10 @@ MODE_EXPERIMENTS = [
 
 
 @pytest.mark.parametrize("name", MODE_EXPERIMENTS)
-def test_experiment_runs_at_tiny_scale(cli, name):
-    result = cli(f"experiment={name}", "scale=tiny")
-    assert result.returncode == 0, result.stderr[-2000:]
-    summary = result.summary
+def test_experiment_runs_at_tiny_scale(tiny_runs, name):
+    summary, scalars, modules = read_run(tiny_runs[name])
     assert summary["status"] == "completed"
     assert summary["experiment"] == name
     assert summary["checks"] and all(c["metric"] for c in summary["checks"])
-    assert len(result.scalars) > 0 and "fresh_grad_norm" in result.modules.columns
+    assert isinstance(scalars, pd.DataFrame) and len(scalars) > 0
+    assert "fresh_grad_norm" in modules.columns
