@@ -53,6 +53,12 @@ class InitConfig:
     # (Glorot & Bengio 2010, Eqs. 1 and 16).
     scheme: str = "default"
     std: float = 0.01
+    # n of kaiming/xavier: fan_in (He et al. Eq. 10, forward) or fan_out (Eq. 14, backward).
+    mode: str = "fan_in"
+    # Also measure, at init and on the same first batch, the network this scheme gives (the
+    # weights the control's run draws for this seed); its per-layer statistics become the
+    # run's constants ``reference/<param>/<column>`` (gradrepro/reference.py).
+    reference: Optional[str] = None
 
 
 @dataclass
@@ -71,6 +77,9 @@ class ProbeConfig:
     tiny_factor: float = 1e4
     # Per loss term, the gradient norm each term alone sends to each parameter.
     task_contribution: bool = True
+    # Per-example statistics of linear layers (Glorot & Bengio's histograms are per example):
+    # pe_act_grad_var, the variance of dloss_i/d(output), and pe_grad_var, of dloss_i/dW.
+    per_example: bool = False
 
 
 @dataclass
@@ -188,7 +197,7 @@ def register_configs() -> None:
 def validate(cfg: Any) -> None:
     """Range and availability checks the schema's types cannot express. Raises UserError."""
     from gradrepro.errors import UserError
-    from gradrepro.init import INIT_SCHEMES
+    from gradrepro.init import INIT_MODES, INIT_SCHEMES
     from gradrepro.optim import OPTIMIZERS, SCHEDULES
     from gradrepro.precision import PRECISION_MODES
     from gradrepro.signature import OPS
@@ -217,6 +226,9 @@ def validate(cfg: Any) -> None:
     choice("optim.name", cfg.optim.name, OPTIMIZERS)
     choice("optim.schedule", cfg.optim.schedule, SCHEDULES)
     choice("init.scheme", cfg.init.scheme, INIT_SCHEMES)
+    choice("init.mode", cfg.init.mode, INIT_MODES)
+    if cfg.init.reference is not None:
+        choice("init.reference", cfg.init.reference, INIT_SCHEMES)
     choice("precision.mode", cfg.precision.mode, PRECISION_MODES)
     if str(cfg.precision.loss_scale) != "dynamic":
         try:

@@ -36,6 +36,7 @@ from gradrepro.objectives import build_objective
 from gradrepro.optim import build_optimizer, freeze
 from gradrepro.precision import Precision
 from gradrepro.probe import Probe
+from gradrepro.reference import measure_reference
 from gradrepro.signature import RunRecords, evaluate, format_verdict
 
 log = logging.getLogger(__name__)
@@ -122,14 +123,16 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
 
     data = build_data(cfg.data, cfg.seed).to(device)
     objective = build_objective(cfg.objective)
+    init_rng = torch.get_rng_state()  # the state the weights are drawn from (reference.py)
     net = objective.wrap(build_model(cfg.model))
-    initialize(net, cfg.init.scheme, cfg.init.std)
+    initialize(net, cfg.init.scheme, cfg.init.std, cfg.init.mode)
     net.to(device).train()
     frozen = freeze(net, list(cfg.train.freeze))
     steps = cfg.train.steps
     optimizer, scheduler = build_optimizer(net, cfg.optim, steps)
     precision = Precision(cfg.precision, device)
     probe = Probe(net, cfg.probe, steps)
+    probe.weight_decay = float(cfg.optim.weight_decay)
     records = store.Records(run_dir)
     generator = torch.Generator().manual_seed(cfg.seed)
     knn_k = cfg.eval.knn_k
@@ -139,6 +142,8 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
 
     evaluate_at(0)
     constants = {f"{k}_init": v for k, v in records.scalar_rows[0].items() if k != "step"}
+    if cfg.init.reference:
+        constants.update(measure_reference(cfg, data, objective, init_rng, generator, device))
     status, stopped_at, skipped = "completed", None, 0
     last_flush = time.monotonic()
     bar = progress(steps, cfg.name)

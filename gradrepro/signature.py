@@ -133,3 +133,7 @@ def format_verdict(verdict: Verdict, name: str) -> str:
     table = pd.DataFrame(rows).to_string(index=False) if rows else "(no checks)"
     head = f"{name}: signature {'REPRODUCED' if verdict.reproduced else 'not reproduced'}"
     return f"{head}\n{table}"
+
+
+# Registered metric functions live in their own modules; importing them registers them.
+from gradrepro import layer_metrics  # noqa: E402,F401

@@ -32,7 +32,7 @@ class Digits(ImageData):
     def __init__(self, cfg: DigitsConfig, seed: int) -> None:
         from sklearn.datasets import load_digits
 
-        images, labels = load_digits(return_x_y=True)
+        images, labels = load_digits(return_X_y=True)
         x = torch.tensor(images, dtype=torch.float32).reshape(-1, 1, 8, 8)
         y = torch.tensor(labels, dtype=torch.long)
         # A fixed split (not the run's seed): every run sees the same held-out set.

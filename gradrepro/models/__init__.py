@@ -9,10 +9,13 @@ from torch import nn
 
 from gradrepro.models.convnet import ConvNet, ConvNetConfig
 from gradrepro.models.mlp import MLP, MLPConfig
+from gradrepro.models.plainnet import PlainNet, PlainNetConfig
 from gradrepro.models.resnet import ResNet18Cifar, ResNet18CifarConfig
 
-MODEL_SCHEMAS = {"mlp": MLPConfig, "convnet": ConvNetConfig, "resnet18_cifar": ResNet18CifarConfig}
-_BUILDERS = {"mlp": MLP, "convnet": ConvNet, "resnet18_cifar": ResNet18Cifar}
+MODEL_SCHEMAS = {"mlp": MLPConfig, "convnet": ConvNetConfig, "resnet18_cifar": ResNet18CifarConfig,
+                 "plainnet": PlainNetConfig}
+_BUILDERS = {"mlp": MLP, "convnet": ConvNet, "resnet18_cifar": ResNet18Cifar,
+             "plainnet": PlainNet}
 
 
 def build_model(cfg: Any) -> nn.Module:
