@@ -12,10 +12,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from conftest import compose_config
 
 from gradrepro.signature import RunRecords, evaluate
-
-from conftest import compose_config
 
 DEPTH = ["depth30_kaiming", "depth30_xavier", "depth30_std001"]
 GLOROT = ["glorot_normalized", "glorot_standard"]
