@@ -32,7 +32,7 @@ def layer_table(modules: pd.DataFrame, column: str) -> pd.DataFrame:
 
 
 def _label(summary: dict, run_dir: Path) -> str:
-    overrides = [o for o in summary.get("overrides", []) if not o.startswith("experiment=")]
+    overrides = [o for o in summary.get("overrides", []) if not o.startswith(("experiment=", "seed="))]
     name = summary.get("experiment", run_dir.name)
     return f"{name} {' '.join(overrides)} (seed {summary.get('seed')})".strip()
 
@@ -64,7 +64,7 @@ def plot_inits(run_dirs: Sequence[Path], path: Path, column: str = "act_grad_std
     vmin, vmax = (finite.min(), finite.max()) if finite.size else (0, 1)
     image = None
     for ax, table, (run_dir, summary, _, _) in zip(axes[1:], tables, runs):
-        values = table.to_numpy(dtype=float)
+        values = np.array(table.to_numpy(dtype=float))  # a writable copy
         values[~np.isfinite(values)] = np.nan  # zero or none: blank
         image = ax.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis",
                           vmin=vmin, vmax=vmax)
