@@ -54,6 +54,14 @@ def _at_step(modules: pd.DataFrame, step: Any) -> pd.DataFrame:
     return modules[(steps == int(step)) & (modules["param"] == "weight")]
 
 
+def ratio(numerator: float, denominator: float) -> float:
+    """numerator / denominator, with x/0 = inf for x > 0 (a gradient that underflowed to
+    exact zeros is infinitely far below) and 0/0 = NaN (nothing to compare)."""
+    if denominator == 0:
+        return math.inf if numerator > 0 else math.nan
+    return numerator / denominator
+
+
 def layer_value(records: RunRecords, module: str, column: str, step: Any = 0) -> float:
     name = select(records.modules, module)
     rows = _at_step(records.modules, step)
@@ -89,7 +97,7 @@ def reference_stat(records: RunRecords, window: int, module: str, column: str) -
 @metric("times_below_reference")
 def times_below_reference(records: RunRecords, window: int, module: str, column: str) -> float:
     """reference / own at init: how many times smaller this run's statistic is."""
-    return reference_value(records, module, column) / layer_value(records, module, column, 0)
+    return ratio(reference_value(records, module, column), layer_value(records, module, column, 0))
 
 
 @metric("layer_ratio")
@@ -97,8 +105,8 @@ def layer_ratio(records: RunRecords, window: int, numerator: str, denominator: s
                 column: str = "act_grad_std", step: Any = 0) -> float:
     """own[numerator] / own[denominator] at one step, e.g. the back-propagated gradient's std
     at the first conv's output over that at the last conv's output."""
-    return (layer_value(records, numerator, column, step)
-            / layer_value(records, denominator, column, step))
+    return ratio(layer_value(records, numerator, column, step),
+                 layer_value(records, denominator, column, step))
 
 
 @metric("attenuation_vs_reference")
@@ -106,8 +114,8 @@ def attenuation_vs_reference(records: RunRecords, window: int, numerator: str, d
                              column: str = "act_grad_std") -> float:
     """(ref[num] / ref[den]) / (own[num] / own[den]) at init: how many times more the
     gradient is attenuated between two layers in this run than in the reference network."""
-    ref = reference_value(records, numerator, column) / reference_value(records, denominator, column)
-    return ref / layer_ratio(records, window, numerator, denominator, column, 0)
+    ref = ratio(reference_value(records, numerator, column), reference_value(records, denominator, column))
+    return ratio(ref, layer_ratio(records, window, numerator, denominator, column, 0))
 
 
 @metric("backprop_ratio_over_derived")
@@ -128,7 +136,7 @@ def layer_fall(records: RunRecords, window: int, modules: str, column: str, step
     """series[-1] / series[0]: how many times larger the statistic is at the last layer of
     ``modules`` than at the first (> 1: it falls toward the input)."""
     series = layer_series(records, modules, column, step)
-    return float(series[-1] / series[0])
+    return ratio(float(series[-1]), float(series[0]))
 
 
 @metric("layer_max_rise_toward_input")
@@ -137,14 +145,14 @@ def layer_max_rise_toward_input(records: RunRecords, window: int, modules: str, 
     """max_i series[i] / series[i+1]: <= 1 when the statistic falls monotonically from each
     layer to the one below it."""
     series = layer_series(records, modules, column, step)
-    return float(np.max(series[:-1] / series[1:]))
+    return max(ratio(float(a), float(b)) for a, b in zip(series[:-1], series[1:]))
 
 
 @metric("layer_spread")
 def layer_spread(records: RunRecords, window: int, modules: str, column: str, step: Any = 0) -> float:
     """max / min of the statistic over the layers: 1 when perfectly flat."""
     series = layer_series(records, modules, column, step)
-    return float(np.max(series) / np.min(series))
+    return ratio(float(np.max(series)), float(np.min(series)))
 
 
 @metric("max_deviation")

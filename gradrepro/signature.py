@@ -109,7 +109,7 @@ def evaluate(signature: Any, records: RunRecords) -> Verdict:
         try:
             observed = observe(check["metric"], records, window, params)
             note = "" if np.isfinite(observed) else "not recorded or not finite"
-        except (KeyError, ValueError) as exc:
+        except (KeyError, ValueError, ArithmeticError) as exc:  # a verdict never costs the records
             observed, note = math.nan, str(exc)
         ok = bool(np.isfinite(observed) and OPS[op](observed, threshold))
         results.append(
