@@ -70,6 +70,12 @@ class InitConfig:
     # (Glorot & Bengio 2010, Eqs. 1 and 16).
     scheme: str = "default"
     std: float = 0.01
+    # n of kaiming/xavier: fan_in (He et al. Eq. 10, forward) or fan_out (Eq. 14, backward).
+    mode: str = "fan_in"
+    # Also measure, at init and on the same first batch, the network this scheme gives (the
+    # weights the control's run draws for this seed); its per-layer statistics become the
+    # run's constants ``reference/<param>/<column>`` (gradrepro/reference.py).
+    reference: Optional[str] = None
 
 
 @dataclass
@@ -99,6 +105,9 @@ class ProbeConfig:
     # For the first N steps the probe logs every step and rebuilds the running sum of the
     # fresh gradients, to check what the optimizer stepped with (forgotten zero_grad, issue 6).
     running_sum_steps: int = 0
+    # Per-example statistics of linear layers (Glorot & Bengio's histograms are per example):
+    # pe_act_grad_var, the variance of dloss_i/d(output), and pe_grad_var, of dloss_i/dW.
+    per_example: bool = False
 
 
 @dataclass
@@ -257,7 +266,7 @@ def undeclared_keys(cfg: Any, prefix: str = "") -> list[tuple]:
 def validate(cfg: Any) -> None:
     """Range and availability checks the schema's types cannot express. Raises UserError."""
     from gradrepro.errors import UserError
-    from gradrepro.init import INIT_SCHEMES
+    from gradrepro.init import INIT_MODES, INIT_SCHEMES
     from gradrepro.optim import OPTIMIZERS, SCHEDULES
     from gradrepro.precision import PRECISION_MODES
     from gradrepro.signature import OPS
@@ -314,6 +323,9 @@ def validate(cfg: Any) -> None:
     choice("optim.name", cfg.optim.name, OPTIMIZERS)
     choice("optim.schedule", cfg.optim.schedule, SCHEDULES)
     choice("init.scheme", cfg.init.scheme, INIT_SCHEMES)
+    choice("init.mode", cfg.init.mode, INIT_MODES)
+    if cfg.init.reference is not None:
+        choice("init.reference", cfg.init.reference, INIT_SCHEMES)
     choice("precision.mode", cfg.precision.mode, PRECISION_MODES)
     if str(cfg.precision.loss_scale) != "dynamic":
         try:

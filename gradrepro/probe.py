@@ -130,6 +130,8 @@ class Probe:
         self._act_grad_hist: Dict[str, torch.Tensor] = {}
         self._contrib: Dict[str, List[torch.Tensor]] = {}
         self._pending: Optional[dict] = None
+        self._inputs: Dict[str, torch.Tensor] = {}
+        self._per_example: Dict[str, torch.Tensor] = {}
         self.loss_scale = 1.0
         self.lr = math.nan  # the learning rate of the coming step, set by the runner
         # What .grad held before this step's backward (None: nothing), and the probe's own
@@ -137,6 +139,9 @@ class Probe:
         self._carried: Optional[List[Optional[torch.Tensor]]] = None
         self._running: Optional[List[torch.Tensor]] = None
         self._summing = False
+        # The optimizer's weight decay: grad_to_decay = ||grad of the loss|| / ||wd * w||
+        # (He et al. 2015, footnote 2). Set by the runner; 0 leaves the column NaN.
+        self.weight_decay = 0.0
 
     # -- scheduling -------------------------------------------------------------------
     def logs(self, step: int) -> bool:
@@ -149,6 +154,8 @@ class Probe:
         self._act_grad.clear()
         self._act_grad_hist.clear()
         self._contrib.clear()
+        self._inputs.clear()
+        self._per_example.clear()
         if not self.cfg.activations:
             return
         for name, module in self.hooked.items():
@@ -170,6 +177,9 @@ class Probe:
             sample = out.detach()[:n].float()
             var, mean = torch.var_mean(sample)
             self._act[name] = torch.stack([mean, var.sqrt()])
+            if (getattr(self.cfg, "per_example", False) and isinstance(module, nn.Linear)
+                    and inputs and torch.is_tensor(inputs[0]) and inputs[0].dim() == 2):
+                self._inputs[name] = inputs[0].detach()[:n].float()
             if out.requires_grad:
                 out.register_hook(self._grad_hook(name))
 
@@ -192,6 +202,9 @@ class Probe:
             )
             if getattr(self.cfg, "act_grad_hist", False):
                 self._act_grad_hist[name] = log2_histogram(g)
+            if name in self._inputs:
+                self._per_example[name] = per_example_stats(
+                    g * (grad.shape[0] / self.loss_scale), self._inputs.pop(name))
 
         return hook
 
@@ -236,6 +249,8 @@ class Probe:
                 self._running = [torch.zeros_like(p, dtype=torch.float64) for p in self.params]
             for i, f in zip(have, fresh):
                 self._running[i] += f.double()
+        nan = torch.full((), float("nan"), device=device)
+        g_std = [g.float().std() if g.numel() > 1 else nan for g in gs]
         nonzero = [torch.count_nonzero(g) for g in gs]
         small = [(g.abs() <= FP16_FLUSH).sum() for g in gs]
         params = [p.detach() for p in self.params]
@@ -251,10 +266,10 @@ class Probe:
         if gs:
             per_grad = torch.stack(
                 [torch.stack(g_norm).double(), torch.stack(nonzero).double(), torch.stack(small).double(),
-                 torch.stack(fresh_norm).double()]
+                 torch.stack(fresh_norm).double(), torch.stack(g_std).double()]
             )
         else:
-            per_grad = torch.zeros(4, 0, dtype=torch.float64, device=device)
+            per_grad = torch.zeros(5, 0, dtype=torch.float64, device=device)
         self._pending = {"have": have, "per_grad": per_grad, "p_norm": torch.stack(p_norm).double(), "grads": gs,
                          "fresh": fresh if self._summing else None}
 
@@ -275,6 +290,7 @@ class Probe:
         act_grad = [self._act_grad.get(m) for m in act_names]
         nan2 = torch.full((2,), float("nan"), device=u_norm.device)
         nan4 = torch.full((4,), float("nan"), device=u_norm.device)
+        pe = [self._per_example.get(m) for m in act_names]
         parts = [
             pending["per_grad"].reshape(-1),
             pending["p_norm"],
@@ -282,6 +298,7 @@ class Probe:
             torch.stack([a if a is not None else nan2 for a in act]).double().reshape(-1),
             torch.stack([a if a is not None else nan4 for a in act_grad]).double().reshape(-1),
             residuals.reshape(-1),
+            torch.stack([a if a is not None else nan2 for a in pe]).double().reshape(-1),
         ]
         hist = None
         if self._act_grad_hist:  # optional: one row of HIST_COLUMNS counts per module
@@ -302,21 +319,24 @@ class Probe:
             offset += size
             return out
 
-        per_grad = take(4 * h).reshape(4, h)
+        per_grad = take(5 * h).reshape(5, h)
         p_norm, u_norm_h = take(n), take(n)
         act_h = take(2 * n).reshape(n, 2)
         act_grad_h = take(4 * n).reshape(n, 4)
         resid_h = take(2 * n).reshape(2, n)
+        pe_h = take(2 * n).reshape(n, 2)
         hist_h = take(len(HIST_COLUMNS) * n).reshape(n, -1) if hist is not None else None
         contrib = {name: take(n) for name in contrib_names}
 
         have = np.zeros(n, dtype=bool)
         have[pending["have"]] = True
         g_norm = np.full(n, np.nan)
+        g_std = np.full(n, np.nan)
         nonzero = np.zeros(n)
         small = np.zeros(n)
         fresh_norm = np.full(n, np.nan)
-        g_norm[have], nonzero[have], small[have], fresh_norm[have] = per_grad
+        g_std = np.full(n, np.nan)
+        g_norm[have], nonzero[have], small[have], fresh_norm[have], g_std[have] = per_grad
         nonfinite = np.zeros(n)
         for j, i in enumerate(pending["have"]):
             if not math.isfinite(g_norm[i]):  # rare: count exactly, one extra sync
@@ -327,6 +347,7 @@ class Probe:
             safe_p = np.where(p_norm > 0, p_norm, np.nan)
             g_to_p = g_norm / safe_p
             u_to_p = u_norm_h / safe_p
+            g_to_decay = g_to_p / self.weight_decay if self.weight_decay > 0 else np.full(n, np.nan)
             flush = np.where(nonzero > 0, (small - (self.numel - nonzero)) / nonzero, np.nan)
             ag_zero = act_grad_h[:, 1] / (act_grad_h[:, 1] + act_grad_h[:, 3])
             ag_flush = np.where(act_grad_h[:, 3] > 0, act_grad_h[:, 2] / act_grad_h[:, 3], np.nan)
@@ -347,9 +368,11 @@ class Probe:
             # decay) steps with the fresh gradient when zero_grad runs, with the sum when it does not.
             "step_vs_fresh": resid_h[0],
             "step_vs_running_sum": resid_h[1],
+            "grad_std": g_std,
             "param_norm": p_norm,
             "grad_to_param": g_to_p,
             "update_to_param": u_to_p,
+            "grad_to_decay": g_to_decay,
             "frac_none": (~have).astype(np.float64),
             "frac_zero": np.where(have, (self.numel - nonzero) / numel, np.nan),
             "frac_nonfinite": np.where(have, nonfinite / numel, np.nan),
@@ -362,6 +385,9 @@ class Probe:
         }
         if hist_h is not None:
             columns.update({col: hist_h[:, j] for j, col in enumerate(HIST_COLUMNS)})
+        if getattr(self.cfg, "per_example", False):
+            columns["pe_act_grad_var"] = pe_h[:, 0]
+            columns["pe_grad_var"] = pe_h[:, 1]
         for name, values in contrib.items():
             columns[f"contrib_{name}"] = values
         return columns
@@ -382,3 +408,20 @@ class Probe:
                 denom = torch.linalg.vector_norm(target)
                 out[row, i] = torch.linalg.vector_norm(stepped - target) / denom
         return out
+
+
+def per_example_stats(delta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Variances of one linear layer's per-example gradients, pooled over examples and entries.
+
+    ``delta`` (NxJ): each example's gradient of its own loss at the layer's output s = Wx + b
+    (Glorot & Bengio's back-propagated gradient dCost/ds); ``x`` (NxK): the layer's input.
+    The per-example weight gradient is the outer product delta_i x_i^T, so its pooled second
+    moment is mean_i(|delta_i|^2 |x_i|^2) / (J K) and its mean is sum(delta^T x) / (N J K):
+    no N x J x K tensor is formed. Returns [Var(delta), Var(dloss_i/dW)].
+    """
+    n, j = delta.shape
+    k = x.shape[1]
+    count = float(n * j * k)
+    second = (delta.pow(2).sum(1) * x.pow(2).sum(1)).sum() / count
+    mean = (delta.t() @ x).sum() / count
+    return torch.stack([delta.var(unbiased=False), second - mean**2])

@@ -39,6 +39,7 @@ from gradrepro.objectives import build_objective
 from gradrepro.optim import build_optimizer, freeze
 from gradrepro.precision import Precision
 from gradrepro.probe import Probe
+from gradrepro.reference import measure_reference
 from gradrepro.signature import RunRecords, evaluate, format_verdict
 
 log = logging.getLogger(__name__)
@@ -231,8 +232,9 @@ def _train(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopR
         check_data_shape(data, cfg.data)
         what = "model, objective or optimizer"
         objective = build_objective(cfg.objective)
+        init_rng = torch.get_rng_state()  # the state the weights are drawn from (reference.py)
         net = objective.wrap(build_model(cfg.model))
-        initialize(net, cfg.init.scheme, cfg.init.std)
+        initialize(net, cfg.init.scheme, cfg.init.std, cfg.init.mode)
         net.to(device).train()
         held = hold_eval(net, list(cfg.train.eval_modules))  # the mode policy
         frozen = freeze(net, list(cfg.train.freeze))
@@ -245,6 +247,7 @@ def _train(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopR
             net.on_optimizer(optimizer)
         precision = Precision(cfg.precision, device)
         probe = Probe(net, cfg.probe, steps)
+        probe.weight_decay = float(cfg.optim.weight_decay)
         what = "objective"
         check_forward(objective, net, data, cfg.seed)
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError, MemoryError) as exc:
@@ -263,6 +266,8 @@ def _train(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopR
 
     evaluate_at(0)
     constants = {f"{k}_init": v for k, v in records.scalar_rows[0].items() if k != "step"}
+    if cfg.init.reference:
+        constants.update(measure_reference(cfg, data, objective, init_rng, generator, device))
     status, stopped_at, skipped, error = "completed", None, 0, None
     last_flush, period = None, flush_seconds()  # first flush right after the first logged step
     bar = SafeBar(steps, cfg.name)

@@ -126,6 +126,7 @@ def observe(name: str, records: RunRecords, window: int, params: Dict[str, Any])
 METRIC_MODULES = (
     "gradrepro.curves",
     "gradrepro.comparisons",
+    "gradrepro.layer_metrics",
     "gradrepro.precision",
     "gradrepro.objectives.missing_grad",
 )
@@ -148,7 +149,7 @@ def evaluate(signature: Any, records: RunRecords) -> Verdict:
         try:
             observed = observe(check["metric"], records, window, params)
             note = "" if np.isfinite(observed) else "not recorded or not finite"
-        except (KeyError, ValueError) as exc:
+        except (KeyError, ValueError, ArithmeticError) as exc:  # a verdict never costs the records
             observed, note = math.nan, str(exc)
         ok = bool(np.isfinite(observed) and OPS[op](observed, threshold))
         results.append(CheckResult(check["metric"], observed, op, threshold, ok, check.get("paper"),

@@ -10,12 +10,13 @@ from torch import nn
 from gradrepro.models.convnet import ConvNet, ConvNetConfig
 from gradrepro.models.missing_grad import MissingGradCase, MissingGradConfig
 from gradrepro.models.mlp import MLP, MLPConfig
+from gradrepro.models.plainnet import PlainNet, PlainNetConfig
 from gradrepro.models.resnet import ResNet18Cifar, ResNet18CifarConfig
 
 MODEL_SCHEMAS = {"mlp": MLPConfig, "convnet": ConvNetConfig, "resnet18_cifar": ResNet18CifarConfig,
-                 "missing_grad": MissingGradConfig}
+                 "missing_grad": MissingGradConfig, "plainnet": PlainNetConfig}
 _BUILDERS = {"mlp": MLP, "convnet": ConvNet, "resnet18_cifar": ResNet18Cifar,
-             "missing_grad": MissingGradCase}
+             "missing_grad": MissingGradCase, "plainnet": PlainNet}
 
 
 def build_model(cfg: Any) -> nn.Module:
