@@ -454,6 +454,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     p.add_argument("--mem-steps", type=int, default=4)
     p.add_argument("--growth", action="store_true", help="run the cost-growth study")
+    p.add_argument("--growth-only", action="store_true", help="only the cost-growth study")
     p.add_argument("--growth-tensors", nargs="+", type=int, default=[10, 32, 100, 320, 1000])
     p.add_argument("--growth-batch", nargs="+", type=int, default=[16, 32, 64, 128, 256])
     p.add_argument("--_memory", nargs=6, help=argparse.SUPPRESS)
@@ -486,6 +487,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    for m in models}
     meta["batch"] = batch_sizes
     rows: List[dict] = []
+    if args.growth_only:
+        args.growth, models, args.no_memory = True, [], True
     for model in models:
         rows += time_model(model, tool_grid(args.tools, intervals), batch_sizes[model],
                            rounds, length, log)
