@@ -302,7 +302,9 @@ def time_model(model: str, grid, batch_size: int, rounds: int, length: int, log)
             errors[(tool.name, tool.every)] = f"{type(exc).__name__}: {str(exc)[:200]}"
             tools.remove(tool)
     t0 = time.perf_counter()
-    times = interleaved(tools, rounds, length)
+    done = iter(range(1, rounds + 2))
+    times = interleaved(tools, rounds, length, on_block=lambda: log(
+        f"  {model}: round {next(done)}/{rounds + 1} at {time.perf_counter() - t0:.0f} s"))
     log(f"  {model}: {len(tools)} tools x {rounds} rounds x {length} steps "
         f"in {time.perf_counter() - t0:.0f} s")
     rows = []

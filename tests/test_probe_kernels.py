@@ -72,7 +72,6 @@ def test_activation_gradient_columns_match_hand_computation():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
     x = torch.randn(10, 4)
-    grads = {}
     h = net[0](x)
     h.retain_grad()
     out = net[2](net[1](h))
