@@ -146,7 +146,8 @@ class Anomaly(Bare):
 
 
 class ProbeTool(Bare):
-    """The runner's sequence: arm -> forward -> backward -> collect -> step -> after_step."""
+    """The runner's sequence: arm -> forward -> before_backward -> backward -> collect ->
+    step -> after_step (``hasattr`` keeps it working on probes without before_backward)."""
 
     name = "gradrepro"
 
@@ -166,7 +167,13 @@ class ProbeTool(Bare):
         if logged:
             self.probe.arm()
         self.opt.zero_grad(set_to_none=True)
-        super().forward_backward(step)
+        loss = self.loss_fn(self.net(self.x), self.y)
+        float(loss.detach())
+        if logged:
+            self.probe.lr = self.opt.param_groups[0]["lr"]
+            if hasattr(self.probe, "before_backward"):
+                self.probe.before_backward(step)
+        loss.backward()
         if logged:
             self.probe.collect()
         self.opt.step()

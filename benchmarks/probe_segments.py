@@ -37,6 +37,9 @@ def timed_step(tool: Bare, probe: bool) -> dict:
     tool.opt.zero_grad(set_to_none=True)
     loss = tool.loss_fn(tool.net(tool.x), tool.y)
     float(loss.detach())
+    if probe and hasattr(tool.probe, "before_backward"):
+        tool.probe.lr = tool.opt.param_groups[0]["lr"]
+        tool.probe.before_backward(0)
     mark("forward")
     loss.backward()
     mark("backward")
