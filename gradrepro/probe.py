@@ -72,6 +72,87 @@ def _norms(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     return [torch.linalg.vector_norm(t) for t in tensors]
 
 
+# |x| <= FP16_FLUSH  <=>  |x| * _FLUSH_SCALE <= 1, exactly: scaling by a power of 2 is exact.
+_FLUSH_SCALE = 2.0**25
+# Above this many entries, sums of levels (values 0..4 each) could pass 2^24, where float32
+# stops counting exactly: such tensors are summed in float64.
+_EXACT_F32 = 2**22
+
+
+def _levels_(v: torch.Tensor) -> torch.Tensor:
+    """In place on ``v = |x|``: 0 where x == 0, 1 where 0 < |x| <= FP16_FLUSH, 2 elsewhere
+    (NaN and inf included, as ``count_nonzero`` and ``abs() <= FP16_FLUSH`` count them)."""
+    v.mul_(_FLUSH_SCALE)
+    torch.fmin(v, v.new_full((), 2.0), out=v)  # fmin, unlike clamp, sends NaN to 2
+    return v.ceil_()
+
+
+def level_sums(x: torch.Tensor) -> torch.Tensor:
+    """``[sum(l), sum(l^2)]`` of the levels ``l`` of x (see ``_levels_``); ``counts_from_
+    level_sums`` turns them into zero and flush counts on the host. Two sums of one
+    element-wise result replace ``count_nonzero`` and a boolean mask sum, which on CPU
+    are not vectorised and cost several times more. Exact: integer sums below 2^24."""
+    v = _levels_(x.reshape(-1).abs())
+    if v.numel() <= _EXACT_F32:
+        return torch.stack([v.sum(), torch.dot(v, v)])
+    return torch.stack([v.sum(dtype=torch.float64), v.square_().sum(dtype=torch.float64)])
+
+
+def counts_from_level_sums(numel, s1, s2):
+    """Zero entries and entries with |x| <= FP16_FLUSH (zeros included), from
+    ``s1 = n1 + 2 n2`` and ``s2 = n1 + 4 n2`` (n1: non-zero flushing, n2: the rest)."""
+    n2 = (s2 - s1) / 2
+    n1 = s1 - 2 * n2
+    return numel - n1 - n2, numel - n2
+
+
+def _grad_level_sums(grads: List[torch.Tensor]) -> List[torch.Tensor]:
+    """``level_sums`` of many tensors with a few foreach calls per chunk of about
+    ``_EXACT_F32`` entries (the chunk bounds the temporary memory). NaN entries make the
+    sums NaN here; the caller recounts those rare tensors exactly."""
+    out: List[Optional[torch.Tensor]] = [None] * len(grads)
+    chunk: List[int] = []
+
+    def flush_chunk() -> None:
+        vs = torch._foreach_abs([grads[i] for i in chunk])
+        torch._foreach_mul_(vs, _FLUSH_SCALE)
+        torch._foreach_clamp_max_(vs, 2.0)
+        torch._foreach_ceil_(vs)
+        s1 = torch._foreach_norm(vs, 1)  # the levels are >= 0: the 1-norm is their sum
+        torch._foreach_mul_(vs, vs)
+        s2 = torch._foreach_norm(vs, 1)
+        for i, a, b in zip(chunk, s1, s2):
+            out[i] = torch.stack([a, b])
+        chunk.clear()
+
+    size = 0
+    for i, g in enumerate(grads):
+        if g.numel() > _EXACT_F32:
+            out[i] = level_sums(g)
+            continue
+        if size + g.numel() > _EXACT_F32:
+            flush_chunk()
+            size = 0
+        chunk.append(i)
+        size += g.numel()
+    if chunk:
+        flush_chunk()
+    return out  # type: ignore[return-value]
+
+
+def mean_ssd(x: torch.Tensor) -> torch.Tensor:
+    """``[mean, sum of squared deviations from the mean]`` (the two-pass formula,
+    cascade-summed): the host finishes the unbiased std. ``torch.var_mean`` gives the same
+    numbers but is an order of magnitude slower on CPU."""
+    mean = x.mean()
+    return torch.stack([mean, (x - mean).square_().sum()])
+
+
+def _std(ssd: np.ndarray, numel: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.sqrt(ssd / (numel - 1))
+
+
 def grad_states(
     has_grad: np.ndarray,
     nonfinite: np.ndarray,
@@ -128,6 +209,8 @@ class Probe:
         self._act: Dict[str, torch.Tensor] = {}
         self._act_grad: Dict[str, torch.Tensor] = {}
         self._act_grad_hist: Dict[str, torch.Tensor] = {}
+        self._act_numel: Dict[str, int] = {}
+        self._act_grad_meta: Dict[str, tuple] = {}  # numel, loss scale
         self._contrib: Dict[str, List[torch.Tensor]] = {}
         self._pending: Optional[dict] = None
         self._inputs: Dict[str, torch.Tensor] = {}
@@ -153,6 +236,8 @@ class Probe:
         self._act.clear()
         self._act_grad.clear()
         self._act_grad_hist.clear()
+        self._act_numel.clear()
+        self._act_grad_meta.clear()
         self._contrib.clear()
         self._inputs.clear()
         self._per_example.clear()
@@ -175,8 +260,8 @@ class Probe:
             if name in self._act or not torch.is_tensor(out) or not out.is_floating_point():
                 return
             sample = out.detach()[:n].float()
-            var, mean = torch.var_mean(sample)
-            self._act[name] = torch.stack([mean, var.sqrt()])
+            self._act[name] = mean_ssd(sample)
+            self._act_numel[name] = sample.numel()
             if (getattr(self.cfg, "per_example", False) and isinstance(module, nn.Linear)
                     and inputs and torch.is_tensor(inputs[0]) and inputs[0].dim() == 2):
                 self._inputs[name] = inputs[0].detach()[:n].float()
@@ -192,14 +277,10 @@ class Probe:
             if name in self._act_grad:  # only the main backward, not task-contribution passes
                 return
             g = grad.detach()[:n].float()
-            nonzero = torch.count_nonzero(g)
-            zeros = g.numel() - nonzero
-            small = (g.abs() <= FP16_FLUSH).sum()  # includes the zeros
             # std is reported without the loss scale; the zero/flush counts are of the
             # values backward actually carried (scaled), which is what fp16 has to hold.
-            self._act_grad[name] = torch.stack(
-                [g.std() / self.loss_scale, zeros.float(), (small - zeros).float(), nonzero.float()]
-            )
+            self._act_grad[name] = torch.cat([mean_ssd(g)[1:], level_sums(g).to(g.dtype)])
+            self._act_grad_meta[name] = (g.numel(), self.loss_scale)
             if getattr(self.cfg, "act_grad_hist", False):
                 self._act_grad_hist[name] = log2_histogram(g)
             if name in self._inputs:
@@ -249,10 +330,9 @@ class Probe:
                 self._running = [torch.zeros_like(p, dtype=torch.float64) for p in self.params]
             for i, f in zip(have, fresh):
                 self._running[i] += f.double()
+        levels = _grad_level_sums([g.float() for g in gs])
         nan = torch.full((), float("nan"), device=device)
         g_std = [g.float().std() if g.numel() > 1 else nan for g in gs]
-        nonzero = [torch.count_nonzero(g) for g in gs]
-        small = [(g.abs() <= FP16_FLUSH).sum() for g in gs]
         params = [p.detach() for p in self.params]
         p_norm = _norms([p.float() for p in params])
         # One copy of the parameters (kept between logged steps) for update/param ratios.
@@ -264,10 +344,12 @@ class Probe:
             for b, p in zip(self._buffer, params):
                 b.copy_(p)
         if gs:
-            per_grad = torch.stack(
-                [torch.stack(g_norm).double(), torch.stack(nonzero).double(), torch.stack(small).double(),
-                 torch.stack(fresh_norm).double(), torch.stack(g_std).double()]
-            )
+            # rows: grad norm, the two level sums (zero and flush counts on the host), the
+            # norm of this step's own gradient, and the gradient's std over its entries
+            levels_t = torch.stack(levels).double().T
+            per_grad = torch.cat([torch.stack(g_norm).double()[None], levels_t,
+                                  torch.stack(fresh_norm).double()[None],
+                                  torch.stack(g_std).double()[None]])
         else:
             per_grad = torch.zeros(5, 0, dtype=torch.float64, device=device)
         self._pending = {"have": have, "per_grad": per_grad, "p_norm": torch.stack(p_norm).double(), "grads": gs,
@@ -289,14 +371,14 @@ class Probe:
         act = [self._act.get(m) for m in act_names]
         act_grad = [self._act_grad.get(m) for m in act_names]
         nan2 = torch.full((2,), float("nan"), device=u_norm.device)
-        nan4 = torch.full((4,), float("nan"), device=u_norm.device)
+        nan3 = torch.full((3,), float("nan"), device=u_norm.device)
         pe = [self._per_example.get(m) for m in act_names]
         parts = [
             pending["per_grad"].reshape(-1),
             pending["p_norm"],
             u_norm,
             torch.stack([a if a is not None else nan2 for a in act]).double().reshape(-1),
-            torch.stack([a if a is not None else nan4 for a in act_grad]).double().reshape(-1),
+            torch.stack([a if a is not None else nan3 for a in act_grad]).double().reshape(-1),
             residuals.reshape(-1),
             torch.stack([a if a is not None else nan2 for a in pe]).double().reshape(-1),
         ]
@@ -321,8 +403,16 @@ class Probe:
 
         per_grad = take(5 * h).reshape(5, h)
         p_norm, u_norm_h = take(n), take(n)
-        act_h = take(2 * n).reshape(n, 2)
-        act_grad_h = take(4 * n).reshape(n, 4)
+        act_h = take(2 * n).reshape(n, 2).copy()
+        act_numel = np.array([self._act_numel.get(m, np.nan) for m in act_names], dtype=float)
+        act_h[:, 1] = _std(act_h[:, 1], act_numel)
+        # act_grad_h columns: std (unscaled), zeros, non-zero flushing, non-zero
+        raw = take(3 * n).reshape(n, 3)
+        meta = np.array([self._act_grad_meta.get(m, (np.nan, np.nan)) for m in act_names],
+                        dtype=float).reshape(n, 2)
+        ag_zeros, ag_small = counts_from_level_sums(meta[:, 0], raw[:, 1], raw[:, 2])
+        act_grad_h = np.stack([_std(raw[:, 0], meta[:, 0]) / meta[:, 1], ag_zeros,
+                               ag_small - ag_zeros, meta[:, 0] - ag_zeros], axis=1)
         resid_h = take(2 * n).reshape(2, n)
         pe_h = take(2 * n).reshape(n, 2)
         hist_h = take(len(HIST_COLUMNS) * n).reshape(n, -1) if hist is not None else None
@@ -335,12 +425,18 @@ class Probe:
         nonzero = np.zeros(n)
         small = np.zeros(n)
         fresh_norm = np.full(n, np.nan)
+        g_norm[have], fresh_norm[have] = per_grad[0], per_grad[3]
         g_std = np.full(n, np.nan)
-        g_norm[have], nonzero[have], small[have], fresh_norm[have], g_std[have] = per_grad
+        g_std[have] = per_grad[4]
+        zeros, small[have] = counts_from_level_sums(self.numel[have], per_grad[1], per_grad[2])
+        nonzero[have] = self.numel[have] - zeros
         nonfinite = np.zeros(n)
         for j, i in enumerate(pending["have"]):
             if not math.isfinite(g_norm[i]):  # rare: count exactly, one extra sync
-                nonfinite[i] = float((~torch.isfinite(pending["grads"][j])).sum())
+                g = pending["grads"][j]
+                nonfinite[i] = float((~torch.isfinite(g)).sum())
+                nonzero[i] = float(torch.count_nonzero(g))
+                small[i] = float((g.float().abs() <= FP16_FLUSH).sum())
         numel = np.maximum(self.numel, 1)
         with np.errstate(divide="ignore", invalid="ignore"):
             # A zero-initialised tensor (a bias, BN's beta) has no meaningful ratio: NaN.
