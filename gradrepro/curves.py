@@ -15,14 +15,18 @@ import pandas as pd
 from gradrepro.signature import RunRecords, metric
 
 
-def _series(records: RunRecords, column: str, from_step: int | None = None,
-             until_step: int | None = None) -> pd.DataFrame:
-    df = records.scalars[["step", column]].dropna()
+def _window(df: pd.DataFrame, from_step: int | None, until_step: int | None) -> pd.DataFrame:
+    """The rows of a records table (scalars or modules) with from_step <= step <= until_step."""
     if from_step is not None:
         df = df[df["step"] >= from_step]
     if until_step is not None:
         df = df[df["step"] <= until_step]
     return df
+
+
+def _series(records: RunRecords, column: str, from_step: int | None = None,
+            until_step: int | None = None) -> pd.DataFrame:
+    return _window(records.scalars[["step", column]].dropna(), from_step, until_step)
 
 
 @metric("steps_to")
@@ -69,11 +73,7 @@ def linear_r2(records: RunRecords, window: int, column: str, from_step: int | No
 def column_ratio(records: RunRecords, window: int, numerator: str, denominator: str,
                  from_step: int | None = None, until_step: int | None = None) -> float:
     """Median over the logged steps in the window of ``numerator / denominator``."""
-    df = records.scalars[["step", numerator, denominator]].dropna()
-    if from_step is not None:
-        df = df[df["step"] >= from_step]
-    if until_step is not None:
-        df = df[df["step"] <= until_step]
+    df = _window(records.scalars[["step", numerator, denominator]].dropna(), from_step, until_step)
     if df.empty:
         return math.nan
     return float((df[numerator] / df[denominator]).median())
@@ -84,11 +84,7 @@ def module_column(records: RunRecords, window: int, column: str, reduce: str = "
                   from_step: int | None = None, until_step: int | None = None) -> float:
     """A ``modules.parquet`` column reduced (max, min, median, mean) over every tensor and
     logged step in the window, NaN values left out."""
-    df = records.modules[["step", column]].dropna()
-    if from_step is not None:
-        df = df[df["step"] >= from_step]
-    if until_step is not None:
-        df = df[df["step"] <= until_step]
+    df = _window(records.modules[["step", column]].dropna(), from_step, until_step)
     if df.empty:
         return math.nan
     if reduce not in ("max", "min", "median", "mean"):
