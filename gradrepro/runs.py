@@ -22,7 +22,8 @@ from gradrepro import store
 HYDRA_CONFIG = Path(".hydra") / "config.yaml"
 HYDRA_OVERRIDES = Path(".hydra") / "overrides.yaml"
 _MARKERS = (store.SUMMARY, str(HYDRA_CONFIG), store.SCALARS)
-_IGNORED_PARTS = {".submitit", ".hydra", "tensorboard"}
+# A reference run (run_dir/references/NAME) belongs to the run that made it, not a row of its own.
+_IGNORED_PARTS = {".submitit", ".hydra", "tensorboard", "references"}
 
 
 @dataclass
