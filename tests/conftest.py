@@ -39,16 +39,7 @@ class CliResult:
 
 def run_cli(run_dir: Path, *overrides: str, timeout: float = 300, env: dict = None) -> CliResult:
     """``python -m gradrepro OVERRIDES hydra.run.dir=RUN_DIR`` in a subprocess."""
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    full_env.pop("HYDRA_FULL_ERROR", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "gradrepro", *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=ROOT,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    proc = run_module("gradrepro", *overrides, f"hydra.run.dir={run_dir}", timeout=timeout, env=env)
     return CliResult(proc, Path(run_dir))
 
 
