@@ -81,18 +81,22 @@ _EXACT_F32 = 2**22
 
 def _levels_(v: torch.Tensor) -> torch.Tensor:
     """In place on ``v = |x|``: 0 where x == 0, 1 where 0 < |x| <= FP16_FLUSH, 2 elsewhere
-    (NaN and inf included, as ``count_nonzero`` and ``abs() <= FP16_FLUSH`` count them)."""
+    (NaN and inf included, as ``count_nonzero`` and ``abs() <= FP16_FLUSH`` count them).
+    ``clamp_`` then ``nan_to_num_`` rather than one ``fmin``: on CPU ``fmin`` is not
+    vectorised and cost 30x more (benchmarks/README.md, "Where the probe's time goes")."""
     v.mul_(_FLUSH_SCALE)
-    torch.fmin(v, v.new_full((), 2.0), out=v)  # fmin, unlike clamp, sends NaN to 2
+    v.clamp_(max=2.0)  # inf -> 2; NaN stays NaN ...
+    torch.nan_to_num_(v, nan=2.0)  # ... and becomes 2 here
     return v.ceil_()
 
 
-def level_sums(x: torch.Tensor) -> torch.Tensor:
+def level_sums(x: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[sum(l), sum(l^2)]`` of the levels ``l`` of x (see ``_levels_``); ``counts_from_
     level_sums`` turns them into zero and flush counts on the host. Two sums of one
     element-wise result replace ``count_nonzero`` and a boolean mask sum, which on CPU
-    are not vectorised and cost several times more. Exact: integer sums below 2^24."""
-    v = _levels_(x.reshape(-1).abs())
+    are not vectorised and cost several times more. Exact: integer sums below 2^24.
+    ``scratch``: a float32 buffer of ``x.numel()`` entries to work in (no allocation)."""
+    v = _levels_(torch.abs(x.reshape(-1), out=scratch) if scratch is not None else x.reshape(-1).abs())
     if v.numel() <= _EXACT_F32:
         return torch.stack([v.sum(), torch.dot(v, v)])
     return torch.stack([v.sum(dtype=torch.float64), v.square_().sum(dtype=torch.float64)])
@@ -114,15 +118,13 @@ def _grad_level_sums(grads: List[torch.Tensor]) -> List[torch.Tensor]:
     chunk: List[int] = []
 
     def flush_chunk() -> None:
-        vs = torch._foreach_abs([grads[i] for i in chunk])
-        torch._foreach_mul_(vs, _FLUSH_SCALE)
-        torch._foreach_clamp_max_(vs, 2.0)
-        torch._foreach_ceil_(vs)
-        s1 = torch._foreach_norm(vs, 1)  # the levels are >= 0: the 1-norm is their sum
-        torch._foreach_mul_(vs, vs)
-        s2 = torch._foreach_norm(vs, 1)
-        for i, a, b in zip(chunk, s1, s2):
-            out[i] = torch.stack([a, b])
+        # One flat copy of the chunk, levelled in place by four element-wise passes; then a
+        # sum and a dot per tensor (``_foreach_norm(v, 1)`` and ``_foreach_abs``'s fresh
+        # allocations cost several times more on CPU).
+        flat = torch.cat([grads[i].reshape(-1) for i in chunk])
+        flat.abs_().mul_(_FLUSH_SCALE).clamp_(max=2.0).ceil_()
+        for i, v in zip(chunk, flat.split([grads[i].numel() for i in chunk])):
+            out[i] = torch.stack([v.sum(), torch.dot(v, v)])
         chunk.clear()
 
     size = 0
@@ -140,12 +142,13 @@ def _grad_level_sums(grads: List[torch.Tensor]) -> List[torch.Tensor]:
     return out  # type: ignore[return-value]
 
 
-def mean_ssd(x: torch.Tensor) -> torch.Tensor:
+def mean_ssd(x: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[mean, sum of squared deviations from the mean]`` (the two-pass formula,
     cascade-summed): the host finishes the unbiased std. ``torch.var_mean`` gives the same
-    numbers but is an order of magnitude slower on CPU."""
+    numbers but is an order of magnitude slower on CPU. ``scratch`` as in ``level_sums``."""
     mean = x.mean()
-    return torch.stack([mean, (x - mean).square_().sum()])
+    dev = torch.sub(x.reshape(-1), mean, out=scratch) if scratch is not None else x - mean
+    return torch.stack([mean, dev.square_().sum()])
 
 
 def _std(ssd: np.ndarray, numel: np.ndarray) -> np.ndarray:
@@ -205,6 +208,7 @@ class Probe:
                 self.kind_of.append(module_kind(module))
         self.numel = np.array([p.numel() for p in self.params], dtype=np.float64)
         self._buffer: Optional[List[torch.Tensor]] = None
+        self._scratch: Optional[torch.Tensor] = None
         self._handles: list = []
         self._act: Dict[str, torch.Tensor] = {}
         self._act_grad: Dict[str, torch.Tensor] = {}
@@ -246,6 +250,15 @@ class Probe:
         for name, module in self.hooked.items():
             self._handles.append(module.register_forward_hook(self._forward_hook(name)))
 
+    def _scratch_for(self, x: torch.Tensor) -> torch.Tensor:
+        """A float32 work buffer of x's size for the hooks' element-wise passes: one per
+        probe, as large as the largest sample seen (so it does not grow with steps), reused
+        so that no hook allocates (fresh allocations page-fault on CPU)."""
+        buf = self._scratch
+        if buf is None or buf.numel() < x.numel() or buf.device != x.device:
+            buf = self._scratch = torch.empty(x.numel(), device=x.device, dtype=torch.float32)
+        return buf[: x.numel()]
+
     def disarm(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -260,7 +273,7 @@ class Probe:
             if name in self._act or not torch.is_tensor(out) or not out.is_floating_point():
                 return
             sample = out.detach()[:n].float()
-            self._act[name] = mean_ssd(sample)
+            self._act[name] = mean_ssd(sample, self._scratch_for(sample))
             self._act_numel[name] = sample.numel()
             if (getattr(self.cfg, "per_example", False) and isinstance(module, nn.Linear)
                     and inputs and torch.is_tensor(inputs[0]) and inputs[0].dim() == 2):
@@ -279,7 +292,8 @@ class Probe:
             g = grad.detach()[:n].float()
             # std is reported without the loss scale; the zero/flush counts are of the
             # values backward actually carried (scaled), which is what fp16 has to hold.
-            self._act_grad[name] = torch.cat([mean_ssd(g)[1:], level_sums(g).to(g.dtype)])
+            scratch = self._scratch_for(g)
+            self._act_grad[name] = torch.cat([mean_ssd(g, scratch)[1:].double(), level_sums(g, scratch).double()])
             self._act_grad_meta[name] = (g.numel(), self.loss_scale)
             if getattr(self.cfg, "act_grad_hist", False):
                 self._act_grad_hist[name] = log2_histogram(g)

@@ -43,6 +43,17 @@ def test_level_sums_give_the_exact_zero_and_flush_counts(seed):
     assert counts_from_level_sums(x.numel(), s1, s2) == reference_counts(x)
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_scratch_buffer_gives_the_same_sums_and_leaves_the_input_alone(seed):
+    x = awkward(5000, seed).reshape(50, 100)
+    before = x.clone()
+    scratch = torch.full((x.numel(),), 7.0)
+    assert torch.equal(level_sums(x, scratch), level_sums(x))
+    y = torch.relu(torch.randn(50, 100)) + 3.0
+    torch.testing.assert_close(mean_ssd(y, scratch), mean_ssd(y), rtol=0, atol=0)
+    assert torch.equal(x.nan_to_num(), before.nan_to_num()) and torch.equal(x.isnan(), before.isnan())
+
+
 def test_level_sums_exact_on_the_float64_path(monkeypatch):
     monkeypatch.setattr(probe_mod, "_EXACT_F32", 100)
     x = awkward(3000, 7).reshape(30, 100)
