@@ -23,10 +23,11 @@ def run_experiment(tmp_path, name, *overrides):
     return cfg, summary, RunRecords(scalars, modules, summary["constants"])
 
 
-# Shorter than the default scale (400 steps) but past the point where, at the default,
-# the no-stop-gradient run has collapsed and the baseline's k-NN has risen (see
-# experiments/simsiam.md); a genuine run, not a fixture.
-SHORT = ("train.steps=150", "eval.every=50")
+# A quarter of the default scale (1,200 steps) but past the point where, at the default,
+# the no-stop-gradient run has collapsed into the backbone and the baseline's k-NN has
+# risen (seed 0 at step 300: k-NN 0.12 and 0.985, see experiments/simsiam.md); a genuine
+# run, not a fixture.
+SHORT = ("train.steps=300", "eval.every=150")
 
 
 def test_nostopgrad_collapses_and_control_does_not(tmp_path):
@@ -49,7 +50,7 @@ def test_frozen_predictor_fails_without_collapse(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
 @pytest.mark.parametrize(
     "name", ["simsiam_baseline", "simsiam_nostopgrad", "simsiam_nopredictor", "simsiam_frozen_predictor"]
 )
