@@ -143,10 +143,11 @@ def _grad_level_sums(grads: List[torch.Tensor]) -> List[torch.Tensor]:
 
 
 def mean_ssd(x: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``[mean, sum of squared deviations from the mean]`` (the two-pass formula, which
-    stays exact for a large mean and a small spread, as in a collapsed layer, where
-    ``dot(x, x) - n mean^2`` cancels): the host finishes the unbiased std. ``torch.var_mean`` gives the same
-    numbers but is an order of magnitude slower on CPU. ``scratch`` as in ``level_sums``."""
+    """``[mean, sum of squared deviations from the mean]``; the host finishes the unbiased
+    std. The two-pass formula stays accurate for a large mean and a small spread (a
+    collapsed layer), where the one-pass ``dot(x, x) - n mean^2`` cancels; ``torch.var_mean``
+    gives the same numbers but is an order of magnitude slower on CPU. ``scratch`` as in
+    ``level_sums``."""
     mean = x.mean()
     dev = torch.sub(x.reshape(-1), mean, out=scratch) if scratch is not None else x.reshape(-1) - mean
     return torch.stack([mean, torch.dot(dev, dev)])  # one read, where square_ + sum take two
