@@ -111,18 +111,16 @@ def counts_from_level_sums(numel, s1, s2):
 
 
 def _grad_level_sums(grads: List[torch.Tensor]) -> List[torch.Tensor]:
-    """``level_sums`` of many tensors with a few foreach calls per chunk of about
-    ``_EXACT_F32`` entries (the chunk bounds the temporary memory). NaN entries make the
-    sums NaN here; the caller recounts those rare tensors exactly."""
+    """``level_sums`` of many tensors, levelled together in chunks of about ``_EXACT_F32``
+    entries (the chunk bounds the temporary memory)."""
     out: List[Optional[torch.Tensor]] = [None] * len(grads)
     chunk: List[int] = []
 
     def flush_chunk() -> None:
-        # One flat copy of the chunk, levelled in place by four element-wise passes; then a
-        # sum and a dot per tensor (``_foreach_norm(v, 1)`` and ``_foreach_abs``'s fresh
-        # allocations cost several times more on CPU).
-        flat = torch.cat([grads[i].reshape(-1) for i in chunk])
-        flat.abs_().mul_(_FLUSH_SCALE).clamp_(max=2.0).ceil_()
+        # One flat copy of the chunk, levelled in place; then a sum and a dot per tensor
+        # (``_foreach_norm(v, 1)`` and ``_foreach_abs``'s fresh allocations cost several
+        # times more on CPU).
+        flat = _levels_(torch.cat([grads[i].reshape(-1) for i in chunk]).abs_())
         for i, v in zip(chunk, flat.split([grads[i].numel() for i in chunk])):
             out[i] = torch.stack([v.sum(), torch.dot(v, v)])
         chunk.clear()
@@ -333,8 +331,9 @@ class Probe:
         grads = [p.grad for p in self.params]
         have = [i for i, g in enumerate(grads) if g is not None]
         gs = [grads[i].detach() for i in have]
+        gs_f32 = [g.float() for g in gs]  # a copy only for half-precision gradients: made once
         device = self.params[0].device
-        g_norm = _norms([g.float() for g in gs])
+        g_norm = _norms(gs_f32)
         # This step's own gradient: .grad minus what it carried in (all of .grad after zero_grad).
         carried = self._carried
         self._carried = None
@@ -346,9 +345,9 @@ class Probe:
                 self._running = [torch.zeros_like(p, dtype=torch.float64) for p in self.params]
             for i, f in zip(have, fresh):
                 self._running[i] += f.double()
-        levels = _grad_level_sums([g.float() for g in gs])
+        levels = _grad_level_sums(gs_f32)
         nan = torch.full((), float("nan"), device=device)
-        g_std = [g.float().std() if g.numel() > 1 else nan for g in gs]
+        g_std = [g.std() if g.numel() > 1 else nan for g in gs_f32]
         params = [p.detach() for p in self.params]
         p_norm = _norms([p.float() for p in params])
         # One copy of the parameters (kept between logged steps) for update/param ratios.
