@@ -79,24 +79,29 @@ _FLUSH_SCALE = 2.0**25
 _EXACT_F32 = 2**22
 
 
-def _levels_(v: torch.Tensor) -> torch.Tensor:
+def _levels_(v: torch.Tensor, nan: bool = True) -> torch.Tensor:
     """In place on ``v = |x|``: 0 where x == 0, 1 where 0 < |x| <= FP16_FLUSH, 2 elsewhere
     (NaN and inf included, as ``count_nonzero`` and ``abs() <= FP16_FLUSH`` count them).
     ``clamp_`` then ``nan_to_num_`` rather than one ``fmin``: on CPU ``fmin`` is not
-    vectorised and cost 30x more (benchmarks/README.md, "Where the probe's time goes")."""
+    vectorised and cost 30x more (benchmarks/README.md, "Where the probe's time goes").
+    ``nan=False`` leaves NaN as NaN (one pass less), for callers that recount a tensor
+    whose norm is not finite."""
     v.mul_(_FLUSH_SCALE)
     v.clamp_(max=2.0)  # inf -> 2; NaN stays NaN ...
-    torch.nan_to_num_(v, nan=2.0)  # ... and becomes 2 here
+    if nan:
+        torch.nan_to_num_(v, nan=2.0)  # ... and becomes 2 here
     return v.ceil_()
 
 
-def level_sums(x: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+def level_sums(x: torch.Tensor, scratch: Optional[torch.Tensor] = None, finite: bool = False) -> torch.Tensor:
     """``[sum(l), sum(l^2)]`` of the levels ``l`` of x (see ``_levels_``); ``counts_from_
     level_sums`` turns them into zero and flush counts on the host. Two sums of one
     element-wise result replace ``count_nonzero`` and a boolean mask sum, which on CPU
     are not vectorised and cost several times more. Exact: integer sums below 2^24.
-    ``scratch``: a float32 buffer of ``x.numel()`` entries to work in (no allocation)."""
-    v = _levels_(torch.abs(x.reshape(-1), out=scratch) if scratch is not None else x.reshape(-1).abs())
+    ``scratch``: a float32 buffer of ``x.numel()`` entries to work in (no allocation).
+    ``finite``: the caller knows x holds no NaN (the NaN pass is skipped)."""
+    v = torch.abs(x.reshape(-1), out=scratch) if scratch is not None else x.reshape(-1).abs()
+    v = _levels_(v, nan=not finite)
     if v.numel() <= _EXACT_F32:
         return torch.stack([v.sum(), torch.dot(v, v)])
     return torch.stack([v.sum(dtype=torch.float64), v.square_().sum(dtype=torch.float64)])
@@ -110,50 +115,96 @@ def counts_from_level_sums(numel, s1, s2):
     return numel - n1 - n2, numel - n2
 
 
-def _grad_level_sums(grads: List[torch.Tensor]) -> List[torch.Tensor]:
-    """``level_sums`` of many tensors, levelled together in chunks of about ``_EXACT_F32``
-    entries (the chunk bounds the temporary memory)."""
-    out: List[Optional[torch.Tensor]] = [None] * len(grads)
+def _grad_sums(grads: List[torch.Tensor], scratch_for=None) -> torch.Tensor:
+    """3 x len(grads), float64: per float32 tensor its plain sum (``collect`` finishes the
+    std from it and the norm) and the two ``level_sums`` of its levels, levelled together
+    in chunks of about ``_EXACT_F32`` entries. ``scratch_for(n)`` gives a reused float32
+    buffer of n entries for the chunk (fresh 16 MB tensors page-fault on CPU: 14 ms against
+    3 ms for resnet18's 11 M gradient entries). NaN stays NaN in the level sums: the host
+    recounts every tensor whose norm is not finite."""
+    device = grads[0].device if grads else None
+    out = torch.empty(3, len(grads), dtype=torch.float64, device=device)
     chunk: List[int] = []
 
-    def flush_chunk() -> None:
-        # One flat copy of the chunk, levelled in place; then a sum and a dot per tensor
-        # (``_foreach_norm(v, 1)`` and ``_foreach_abs``'s fresh allocations cost several
-        # times more on CPU).
-        flat = _levels_(torch.cat([grads[i].reshape(-1) for i in chunk]).abs_())
-        for i, v in zip(chunk, flat.split([grads[i].numel() for i in chunk])):
-            out[i] = torch.stack([v.sum(), torch.dot(v, v)])
+    def flush_chunk(size: int) -> None:
+        # One flat copy of the chunk: per tensor a plain sum, then levelled in place, with a
+        # sum and a dot per tensor (``_foreach_norm(v, 1)`` and ``_foreach_abs``'s fresh
+        # allocations cost several times more on CPU).
+        parts = [grads[i].reshape(-1) for i in chunk]
+        flat = torch.cat(parts) if scratch_for is None else torch.cat(parts, out=scratch_for(size))
+        views = flat.split([grads[i].numel() for i in chunk])
+        plain = torch.stack([v.sum() for v in views])
+        _levels_(flat.abs_(), nan=False)
+        rows = [plain, torch.stack([v.sum() for v in views]), torch.stack([torch.dot(v, v) for v in views])]
+        out[:, chunk] = torch.stack(rows).double()
         chunk.clear()
 
     size = 0
     for i, g in enumerate(grads):
         if g.numel() > _EXACT_F32:
-            out[i] = level_sums(g)
+            out[0, i] = g.sum()
+            out[1:, i] = level_sums(g)
             continue
         if size + g.numel() > _EXACT_F32:
-            flush_chunk()
+            flush_chunk(size)
             size = 0
         chunk.append(i)
         size += g.numel()
     if chunk:
-        flush_chunk()
-    return out  # type: ignore[return-value]
+        flush_chunk(size)
+    return out
 
 
-def mean_ssd(x: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+# One-pass sums of squares are kept only where the mean square is this far inside float32's
+# normal range (smallest normal 1.2e-38): squares that underflow then cost < 1e-8 relative.
+_ONE_PASS_MIN_MEAN_SQUARE = 1e-30
+
+
+def mean_ssd(x: torch.Tensor, scratch: Optional[torch.Tensor] = None,
+             read_on_host: bool = False) -> torch.Tensor:
     """``[mean, sum of squared deviations from the mean]``; the host finishes the unbiased
-    std. The two-pass formula stays accurate for a large mean and a small spread (a
-    collapsed layer), where the one-pass ``dot(x, x) - n mean^2`` cancels; ``torch.var_mean``
-    gives the same numbers but is an order of magnitude slower on CPU. ``scratch`` as in
+    std. Two passes (mean, then the deviations' dot) stay accurate for a large mean and a
+    small spread (a collapsed layer), where the one-pass ``dot(x, x) - n mean^2`` cancels;
+    ``torch.var_mean`` gives the same numbers but is an order of magnitude slower on CPU.
+    ``read_on_host`` (CPU tensors, where reading a scalar costs nothing): the one pass
+    first, kept where ``mean^2 <= var`` (there its error, 1e-5 relative at 2 M entries, is
+    below the two-pass float32 dot's own, 3e-4; tests/test_probe_kernels.py), else the two
+    passes; it saves the write of the deviations, the hooks' largest cost. On an
+    accelerator reading would stall the stream: always two passes. ``scratch`` as in
     ``level_sums``."""
-    mean = x.mean()
-    dev = torch.sub(x.reshape(-1), mean, out=scratch) if scratch is not None else x.reshape(-1) - mean
+    flat = x.reshape(-1)
+    mean = flat.mean()
+    if read_on_host:
+        n = flat.numel()
+        m, square = float(mean), float(torch.dot(flat, flat))
+        ssd = square - n * m * m
+        if (n > 1 and math.isfinite(ssd) and m * m * (n - 1) <= ssd
+                and square >= n * _ONE_PASS_MIN_MEAN_SQUARE):
+            return torch.tensor([m, ssd], dtype=torch.float32)
+    dev = torch.sub(flat, mean, out=scratch) if scratch is not None else flat - mean
     return torch.stack([mean, torch.dot(dev, dev)])  # one read, where square_ + sum take two
 
 
 def _std(ssd: np.ndarray, numel: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.sqrt(ssd / (numel - 1))
+
+
+def grad_std_from_sums(norm: np.ndarray, total: np.ndarray, numel: np.ndarray,
+                       zeros: np.ndarray) -> np.ndarray:
+    """Each gradient's std over its entries from its norm and plain sum, ``(|g|^2 - n mean^2)
+    / (n - 1)``, where that is accurate: where ``|mean| <= std`` the cancellation costs at
+    most about 2 x 1e-6 relative (float32 norm and sum; tests/test_probe_kernels.py). NaN
+    elsewhere (a large mean over a small spread, a non-finite or underflowing norm, one
+    entry), for ``after_step`` to recount with the two-pass ``std``; an all-zero tensor
+    is 0. Gradients are centred near zero, so the recount is rare; it replaces a two-pass
+    ``std`` per tensor, 6.6 of resnet18's 22 ms in ``collect``."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        mean = total / numel
+        var = (norm**2 - numel * mean**2) / (numel - 1)
+        accurate = np.isfinite(var) & (var > 0) & (mean**2 <= var) & (numel > 1)
+        out = np.where(accurate, np.sqrt(np.where(accurate, var, 0.0)), np.nan)
+    return np.where((zeros == numel) & (numel > 1), 0.0, out)
 
 
 def grad_states(
@@ -250,14 +301,15 @@ class Probe:
         for name, module in self.hooked.items():
             self._handles.append(module.register_forward_hook(self._forward_hook(name)))
 
-    def _scratch_for(self, x: torch.Tensor) -> torch.Tensor:
-        """A float32 work buffer of x's size for the hooks' element-wise passes: one per
-        probe, as large as the largest sample seen (so it does not grow with steps), reused
-        so that no hook allocates (fresh allocations page-fault on CPU)."""
+    def _scratch_for(self, numel: int, device) -> torch.Tensor:
+        """A float32 work buffer of ``numel`` entries for the hooks' element-wise passes and
+        ``collect``'s gradient chunks: one per probe, as large as the largest use (at most
+        the largest activation sample or ``_EXACT_F32`` gradient entries, so it does not grow
+        with steps), reused so that nothing allocates (fresh allocations page-fault on CPU)."""
         buf = self._scratch
-        if buf is None or buf.numel() < x.numel() or buf.device != x.device:
-            buf = self._scratch = torch.empty(x.numel(), device=x.device, dtype=torch.float32)
-        return buf[: x.numel()]
+        if buf is None or buf.numel() < numel or buf.device != torch.device(device):
+            buf = self._scratch = torch.empty(numel, device=device, dtype=torch.float32)
+        return buf[:numel]
 
     def disarm(self) -> None:
         for handle in self._handles:
@@ -273,7 +325,8 @@ class Probe:
             if name in self._act or not torch.is_tensor(out) or not out.is_floating_point():
                 return
             sample = out.detach()[:n].float()
-            self._act[name] = mean_ssd(sample, self._scratch_for(sample))
+            self._act[name] = mean_ssd(sample, self._scratch_for(sample.numel(), sample.device),
+                                       read_on_host=sample.device.type == "cpu")
             self._act_numel[name] = sample.numel()
             if (getattr(self.cfg, "per_example", False) and isinstance(module, nn.Linear)
                     and inputs and torch.is_tensor(inputs[0]) and inputs[0].dim() == 2):
@@ -292,8 +345,12 @@ class Probe:
             g = grad.detach()[:n].float()
             # std is reported without the loss scale; the zero/flush counts are of the
             # values backward actually carried (scaled), which is what fp16 has to hold.
-            scratch = self._scratch_for(g)
-            self._act_grad[name] = torch.cat([mean_ssd(g, scratch)[1:].double(), level_sums(g, scratch).double()])
+            scratch = self._scratch_for(g.numel(), g.device)
+            on_host = g.device.type == "cpu"
+            stats = mean_ssd(g, scratch, read_on_host=on_host)
+            # A finite mean means no NaN (nor inf) in the sample: the levels skip the NaN pass.
+            finite = on_host and math.isfinite(float(stats[0]))
+            self._act_grad[name] = torch.cat([stats[1:], level_sums(g, scratch, finite)]).double()
             self._act_grad_meta[name] = (g.numel(), self.loss_scale)
             if getattr(self.cfg, "act_grad_hist", False):
                 self._act_grad_hist[name] = log2_histogram(g)
@@ -345,9 +402,7 @@ class Probe:
                 self._running = [torch.zeros_like(p, dtype=torch.float64) for p in self.params]
             for i, f in zip(have, fresh):
                 self._running[i] += f.double()
-        levels = _grad_level_sums(gs_f32)
-        nan = torch.full((), float("nan"), device=device)
-        g_std = [g.std() if g.numel() > 1 else nan for g in gs_f32]
+        sums = _grad_sums(gs_f32, lambda n: self._scratch_for(n, device))
         params = [p.detach() for p in self.params]
         p_norm = _norms([p.float() for p in params])
         # One copy of the parameters (kept between logged steps) for update/param ratios.
@@ -359,12 +414,10 @@ class Probe:
             for b, p in zip(self._buffer, params):
                 b.copy_(p)
         if gs:
-            # rows: grad norm, the two level sums (zero and flush counts on the host), the
-            # norm of this step's own gradient, and the gradient's std over its entries
-            levels_t = torch.stack(levels).double().T
-            per_grad = torch.cat([torch.stack(g_norm).double()[None], levels_t,
-                                  torch.stack(fresh_norm).double()[None],
-                                  torch.stack(g_std).double()[None]])
+            # rows: grad norm, the plain sum and the two level sums (std, zero and flush
+            # counts on the host), the norm of this step's own gradient
+            per_grad = torch.cat([torch.stack(g_norm).double()[None], sums,
+                                  torch.stack(fresh_norm).double()[None]])
         else:
             per_grad = torch.zeros(5, 0, dtype=torch.float64, device=device)
         self._pending = {"have": have, "per_grad": per_grad, "p_norm": torch.stack(p_norm).double(), "grads": gs,
@@ -436,15 +489,17 @@ class Probe:
         have = np.zeros(n, dtype=bool)
         have[pending["have"]] = True
         g_norm = np.full(n, np.nan)
-        g_std = np.full(n, np.nan)
         nonzero = np.zeros(n)
         small = np.zeros(n)
         fresh_norm = np.full(n, np.nan)
-        g_norm[have], fresh_norm[have] = per_grad[0], per_grad[3]
-        g_std = np.full(n, np.nan)
-        g_std[have] = per_grad[4]
-        zeros, small[have] = counts_from_level_sums(self.numel[have], per_grad[1], per_grad[2])
+        g_norm[have], fresh_norm[have] = per_grad[0], per_grad[4]
+        zeros, small[have] = counts_from_level_sums(self.numel[have], per_grad[2], per_grad[3])
         nonzero[have] = self.numel[have] - zeros
+        g_std = np.full(n, np.nan)
+        g_std[have] = grad_std_from_sums(per_grad[0], per_grad[1], self.numel[have], zeros)
+        for j, i in enumerate(pending["have"]):
+            if np.isnan(g_std[i]) and self.numel[i] > 1:  # rare: the two-pass std, one sync
+                g_std[i] = float(pending["grads"][j].float().std())
         nonfinite = np.zeros(n)
         for j, i in enumerate(pending["have"]):
             if not math.isfinite(g_norm[i]):  # rare: count exactly, one extra sync

@@ -4,6 +4,8 @@ fp16-flush counts (``count_nonzero``, ``abs() <= FP16_FLUSH``) and the activatio
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -14,9 +16,10 @@ from gradrepro.config import ProbeConfig
 from gradrepro.probe import (
     FP16_FLUSH,
     Probe,
-    _grad_level_sums,
+    _grad_sums,
     _std,
     counts_from_level_sums,
+    grad_std_from_sums,
     level_sums,
     mean_ssd,
 )
@@ -61,13 +64,52 @@ def test_level_sums_exact_on_the_float64_path(monkeypatch):
     assert counts_from_level_sums(x.numel(), s1, s2) == reference_counts(x)
 
 
-def test_chunked_foreach_level_sums_match_per_tensor(monkeypatch):
+@pytest.mark.parametrize("reuse", [False, True])
+def test_chunked_gradient_sums_match_per_tensor(monkeypatch, reuse):
     monkeypatch.setattr(probe_mod, "_EXACT_F32", 2500)  # several chunks and one big tensor
-    tensors = [awkward(n, i).abs_().nan_to_num_(0.0, 1.0, 1.0) for i, n in
+    tensors = [awkward(n, i).nan_to_num_(0.0, 1.0, -1.0) for i, n in
                enumerate([700, 900, 1200, 4000, 50, 2400])]
-    for got, x in zip(_grad_level_sums(tensors), tensors):
-        s1, s2 = got.tolist()
+    before = [t.clone() for t in tensors]
+    buffer = torch.full((2500,), 7.0)
+    sums = _grad_sums(tensors, (lambda n: buffer[:n]) if reuse else None)
+    assert sums.shape == (3, len(tensors)) and sums.dtype == torch.float64
+    for (total, s1, s2), x, x0 in zip(sums.T.tolist(), tensors, before):
         assert counts_from_level_sums(x.numel(), s1, s2) == reference_counts(x)
+        assert total == pytest.approx(x.double().sum().item(), rel=1e-5, abs=1e-30)
+        assert torch.equal(x, x0)  # the gradients themselves are not touched
+
+
+def test_gradient_std_from_norm_and_sum_where_accurate_else_recounted():
+    g = torch.Generator().manual_seed(0)
+    centred = torch.randn(100_000, generator=g) * 1e-3 + 0.9e-3  # |mean| just under std
+    shifted = torch.randn(100_000, generator=g) * 1e-6 + 1.0  # a large mean, a tiny spread
+    zeros = torch.zeros(64)
+    xs = [centred, shifted, zeros, torch.tensor([3.0])]
+    norm = np.array([x.norm().item() for x in xs])
+    total = np.array([x.sum().item() for x in xs])
+    numel = np.array([float(x.numel()) for x in xs])
+    n_zero = np.array([float(x.numel() - torch.count_nonzero(x)) for x in xs])
+    std = grad_std_from_sums(norm, total, numel, n_zero)
+    assert std[0] == pytest.approx(centred.double().std().item(), rel=1e-5)
+    # There the one-pass formula cancels: it would be far off, so it must be left to the recount.
+    with np.errstate(invalid="ignore"):
+        one_pass = np.sqrt(max((norm[1] ** 2 - total[1] ** 2 / numel[1]) / (numel[1] - 1), 0.0))
+    assert abs(one_pass / shifted.double().std().item() - 1) > 0.01
+    assert np.isnan(std[1])
+    assert std[2] == 0.0 and np.isnan(std[3])
+
+
+def test_collect_recounts_the_std_of_a_gradient_with_a_large_mean():
+    torch.manual_seed(0)
+    net = nn.Linear(50, 40)
+    probe = Probe(net, ProbeConfig(every=1), total_steps=1)
+    net(torch.randn(8, 50)).sum().backward()
+    net.weight.grad = torch.randn(40, 50) * 1e-6 + 1.0  # what a debugger must still get right
+    probe.collect()
+    cols = probe.after_step(0)
+    for i, name in enumerate(cols["param"]):
+        ref = getattr(net, name).grad.double().std().item()
+        assert cols["grad_std"][i] == pytest.approx(ref, rel=1e-4)
 
 
 def test_mean_ssd_matches_var_mean():
@@ -106,3 +148,38 @@ def test_activation_gradient_columns_match_hand_computation():
         np.testing.assert_allclose(cols["act_grad_frac_fp16_underflow"][i], expected)
     # the hidden layer's gradient has ReLU zeros: the case is not vacuous
     assert cols["act_grad_frac_zero"][list(cols["module"]).index("0")] > 0
+
+
+def test_mean_ssd_on_host_takes_one_pass_only_where_it_is_accurate():
+    g = torch.Generator().manual_seed(3)
+    relu = torch.relu(torch.randn(64, 32, 8, 8, generator=g)) * 3.0  # mean^2 < var: one pass
+    collapsed = 1000.0 + 1e-3 * torch.randn(64, 256, generator=g)  # mean^2 >> var: two passes
+    for x in (relu, collapsed, torch.zeros(10, 10)):
+        x64 = x.double()
+        ref_ssd = ((x64 - x64.mean()) ** 2).sum().item()
+        mean, ssd = mean_ssd(x, read_on_host=True).double().tolist()
+        assert mean == pytest.approx(x64.mean().item(), rel=1e-6)
+        assert ssd == pytest.approx(ref_ssd, rel=1e-4, abs=0.0)
+    # the case the fallback exists for: one pass alone would be far off there
+    n, m = collapsed.numel(), collapsed.double().mean().item()
+    one_pass = torch.dot(collapsed.reshape(-1), collapsed.reshape(-1)).item() - n * m * m
+    ref = ((collapsed.double() - m) ** 2).sum().item()
+    assert abs(one_pass / ref - 1) > 0.5
+    nan = torch.tensor([1.0, float("nan"), 2.0])
+    assert all(math.isnan(v) for v in mean_ssd(nan, read_on_host=True).tolist())
+
+
+def test_activation_gradient_counts_are_exact_with_nan_and_inf_in_the_gradient():
+    # the hook skips its NaN pass only when the sample's mean is finite: here it is not
+    net = nn.Sequential(nn.Linear(3, 400))
+    probe = Probe(net, ProbeConfig(every=1, act_sample=1000), total_steps=1)
+    probe.arm()
+    out = net(torch.randn(5, 3))
+    grad = awkward(out.numel(), 11).reshape(out.shape)
+    out.backward(grad)
+    probe.collect()
+    probe.disarm()
+    cols = probe.after_step(0)
+    zeros, small = reference_counts(grad)
+    assert cols["act_grad_frac_zero"][0] == pytest.approx(zeros / grad.numel())
+    assert cols["act_grad_frac_fp16_underflow"][0] == pytest.approx((small - zeros) / (grad.numel() - zeros))
