@@ -94,7 +94,12 @@ class PrecisionConfig:
 class ProbeConfig:
     every: int = 10  # log every N steps (and the last step)
     activations: bool = True  # forward/backward hook statistics per module
-    act_sample: int = 32  # examples of each batch used for activation statistics
+    # Examples of each batch whose activations and activation gradients the hooks summarise.
+    # Their passes are the probe's largest cost (on resnet18 at batch 32, 8 instead of 32
+    # took its every-step ratio from 1.09 to 1.06, benchmarks/README.md); 8 examples still
+    # give >= 80 values a module (a 10-way output) and 131 K at resnet18's first conv.
+    # Experiments whose verdict reads these columns set their own (precision 128, glorot 64).
+    act_sample: int = 8
     # "tiny": grad/param ratio at least this many times below the model's median ratio.
     tiny_factor: float = 1e4
     # Per loss term, the gradient norm each term alone sends to each parameter.

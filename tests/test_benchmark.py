@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,4 +34,8 @@ def test_overhead_benchmark_quick_run_writes_rows(tmp_path):
         assert r["step_s"] > 0 and math.isfinite(r["ratio"])
     bare = next(r for r in rows if r["tool"] == "bare")
     assert bare["ratio"] == 1.0 and bare["mem_ratio"] == 1.0
+    # every 4 has steps without probe code: its schedule is also paired with those
+    every4 = next(r for r in rows if r["every"] == 4)
+    assert every4["own_ratio"] == pytest.approx(every4["step_s"] / every4["unlogged_s"])
+    assert "own_ratio" not in next(r for r in rows if r["tool"] == "gradrepro" and r["every"] == 1)
     assert "| plain30 | gradrepro | 4 |" in proc.stdout  # the printed table

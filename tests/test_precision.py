@@ -148,7 +148,7 @@ def test_histogram_probe_is_off_by_default_and_columns_when_on():
     net = mlp()
     x = torch.randn(16, 1, 8, 8)
     for flag, present in ((False, False), (True, True)):
-        probe = Probe(net, ProbeConfig(every=1, act_grad_hist=flag), total_steps=1)
+        probe = Probe(net, ProbeConfig(every=1, act_grad_hist=flag, act_sample=16), total_steps=1)
         probe.arm()
         net(x).sum().backward()
         probe.collect()
