@@ -195,14 +195,15 @@ def grad_std_from_sums(norm: np.ndarray, total: np.ndarray, numel: np.ndarray,
     """Each gradient's std over its entries from its norm and plain sum, ``(|g|^2 - n mean^2)
     / (n - 1)``, where that is accurate: where ``|mean| <= std`` the cancellation costs at
     most about 2 x 1e-6 relative (float32 norm and sum; tests/test_probe_kernels.py). NaN
-    elsewhere (a large mean over a small spread, a non-finite or underflowing norm, one
-    entry), for ``after_step`` to recount with the two-pass ``std``; an all-zero tensor
+    elsewhere (a large mean over a small spread, a non-finite norm, entries so small that
+    their squares leave float32's normal range, one entry), for ``after_step`` to recount with the two-pass ``std``; an all-zero tensor
     is 0. Gradients are centred near zero, so the recount is rare; it replaces a two-pass
     ``std`` per tensor, 6.6 of resnet18's 22 ms in ``collect``."""
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         mean = total / numel
         var = (norm**2 - numel * mean**2) / (numel - 1)
         accurate = np.isfinite(var) & (var > 0) & (mean**2 <= var) & (numel > 1)
+        accurate &= norm**2 >= numel * _ONE_PASS_MIN_MEAN_SQUARE  # squares far from underflow
         out = np.where(accurate, np.sqrt(np.where(accurate, var, 0.0)), np.nan)
     return np.where((zeros == numel) & (numel > 1), 0.0, out)
 

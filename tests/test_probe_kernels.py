@@ -84,7 +84,8 @@ def test_gradient_std_from_norm_and_sum_where_accurate_else_recounted():
     centred = torch.randn(100_000, generator=g) * 1e-3 + 0.9e-3  # |mean| just under std
     shifted = torch.randn(100_000, generator=g) * 1e-6 + 1.0  # a large mean, a tiny spread
     zeros = torch.zeros(64)
-    xs = [centred, shifted, zeros, torch.tensor([3.0])]
+    vanishing = torch.randn(1000, generator=g) * 1e-22  # squares below float32's normal range
+    xs = [centred, shifted, zeros, torch.tensor([3.0]), vanishing]
     norm = np.array([x.norm().item() for x in xs])
     total = np.array([x.sum().item() for x in xs])
     numel = np.array([float(x.numel()) for x in xs])
@@ -96,7 +97,7 @@ def test_gradient_std_from_norm_and_sum_where_accurate_else_recounted():
         one_pass = np.sqrt(max((norm[1] ** 2 - total[1] ** 2 / numel[1]) / (numel[1] - 1), 0.0))
     assert abs(one_pass / shifted.double().std().item() - 1) > 0.01
     assert np.isnan(std[1])
-    assert std[2] == 0.0 and np.isnan(std[3])
+    assert std[2] == 0.0 and np.isnan(std[3]) and np.isnan(std[4])
 
 
 def test_collect_recounts_the_std_of_a_gradient_with_a_large_mean():
