@@ -14,7 +14,7 @@ model's median), ``finite``, ``nonfinite``. Three different causes; never merged
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -100,11 +100,15 @@ def level_sums(x: torch.Tensor, scratch: Optional[torch.Tensor] = None, finite: 
     are not vectorised and cost several times more. Exact: integer sums below 2^24.
     ``scratch``: a float32 buffer of ``x.numel()`` entries to work in (no allocation).
     ``finite``: the caller knows x holds no NaN (the NaN pass is skipped)."""
+    return torch.stack(_level_sum_pair(x, scratch, finite))
+
+
+def _level_sum_pair(x: torch.Tensor, scratch: Optional[torch.Tensor], finite: bool):
     v = torch.abs(x.reshape(-1), out=scratch) if scratch is not None else x.reshape(-1).abs()
     v = _levels_(v, nan=not finite)
     if v.numel() <= _EXACT_F32:
-        return torch.stack([v.sum(), torch.dot(v, v)])
-    return torch.stack([v.sum(dtype=torch.float64), v.square_().sum(dtype=torch.float64)])
+        return v.sum(), torch.dot(v, v)
+    return v.sum(dtype=torch.float64), v.square_().sum(dtype=torch.float64)
 
 
 def counts_from_level_sums(numel, s1, s2):
@@ -160,34 +164,54 @@ def _grad_sums(grads: List[torch.Tensor], scratch_for=None) -> torch.Tensor:
 _ONE_PASS_MIN_MEAN_SQUARE = 1e-30
 
 
-def mean_ssd(x: torch.Tensor, scratch: Optional[torch.Tensor] = None,
-             read_on_host: bool = False) -> torch.Tensor:
-    """``[mean, sum of squared deviations from the mean]``; the host finishes the unbiased
-    std. Two passes (mean, then the deviations' dot) stay accurate for a large mean and a
-    small spread (a collapsed layer), where the one-pass ``dot(x, x) - n mean^2`` cancels;
-    ``torch.var_mean`` gives the same numbers but is an order of magnitude slower on CPU.
-    ``read_on_host`` (CPU tensors, where reading a scalar costs nothing): the one pass
-    first, kept where ``mean^2 <= var`` (there its error, 1e-5 relative at 2 M entries, is
-    below the two-pass float32 dot's own, 3e-4; tests/test_probe_kernels.py), else the two
-    passes; it saves the write of the deviations, the hooks' largest cost. On an
-    accelerator reading would stall the stream: always two passes. ``scratch`` as in
-    ``level_sums``."""
+def mean_ssd(x: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[mean, sum of squared deviations from the mean]`` on the device; the host finishes
+    the unbiased std. Two passes (mean, then the deviations' dot) stay accurate for a large
+    mean and a small spread (a collapsed layer), where the one-pass ``dot(x, x) - n mean^2``
+    cancels; ``torch.var_mean`` gives the same numbers but is an order of magnitude slower on
+    CPU. ``scratch`` as in ``level_sums``. On CPU the hooks use ``mean_ssd_host``."""
     flat = x.reshape(-1)
     mean = flat.mean()
-    if read_on_host:
-        n = flat.numel()
-        m, square = float(mean), float(torch.dot(flat, flat))
-        ssd = square - n * m * m
-        if (n > 1 and math.isfinite(ssd) and m * m * (n - 1) <= ssd
-                and square >= n * _ONE_PASS_MIN_MEAN_SQUARE):
-            return torch.tensor([m, ssd], dtype=torch.float32)
     dev = torch.sub(flat, mean, out=scratch) if scratch is not None else flat - mean
     return torch.stack([mean, torch.dot(dev, dev)])  # one read, where square_ + sum take two
+
+
+def mean_ssd_host(x: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> Tuple[float, float]:
+    """``mean_ssd`` for a CPU tensor, as two floats: reading a scalar costs nothing there, so
+    the one pass ``dot(x, x) - n mean^2`` (one read, no write) is tried first and kept where
+    ``mean^2 <= var`` and the mean square is far from underflow: there its error (1e-5
+    relative at 2 M entries) is below the two-pass float32 dot's own (3e-4;
+    tests/test_probe_kernels.py). Elsewhere (a collapsed layer, NaN) the two passes. It saves
+    the write of the deviations, the hooks' largest cost, and the host floats save the small
+    tensors a hook would otherwise build (``mean`` and ``torch.tensor`` cost 15-20 us each)."""
+    flat = x.reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return math.nan, math.nan
+    m = float(flat.sum()) / n
+    square = float(torch.dot(flat, flat))
+    ssd = square - n * m * m
+    if n > 1 and math.isfinite(ssd) and m * m * (n - 1) <= ssd and square >= n * _ONE_PASS_MIN_MEAN_SQUARE:
+        return m, ssd
+    dev = torch.sub(flat, m, out=scratch) if scratch is not None else flat - m
+    return m, float(torch.dot(dev, dev))
 
 
 def _std(ssd: np.ndarray, numel: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.sqrt(ssd / (numel - 1))
+
+
+def _stat_rows(values: list, width: int, device) -> torch.Tensor:
+    """len(values) x width, float64, on ``device``: the hooks' results, host tuples (CPU) or
+    device tensors; None (no hook result for that module) is NaN."""
+    if not any(torch.is_tensor(v) for v in values):  # one tensor from host floats
+        nan = (math.nan,) * width
+        return torch.tensor([nan if v is None else v for v in values], dtype=torch.float64,
+                            device=device).reshape(len(values), width)
+    nan_t = torch.full((width,), math.nan, dtype=torch.float64, device=device)
+    return torch.stack([nan_t if v is None else torch.as_tensor(v, device=device).double()
+                        for v in values])
 
 
 def grad_std_from_sums(norm: np.ndarray, total: np.ndarray, numel: np.ndarray,
@@ -196,9 +220,10 @@ def grad_std_from_sums(norm: np.ndarray, total: np.ndarray, numel: np.ndarray,
     / (n - 1)``, where that is accurate: where ``|mean| <= std`` the cancellation costs at
     most about 2 x 1e-6 relative (float32 norm and sum; tests/test_probe_kernels.py). NaN
     elsewhere (a large mean over a small spread, a non-finite norm, entries so small that
-    their squares leave float32's normal range, one entry), for ``after_step`` to recount with the two-pass ``std``; an all-zero tensor
-    is 0. Gradients are centred near zero, so the recount is rare; it replaces a two-pass
-    ``std`` per tensor, 6.6 of resnet18's 22 ms in ``collect``."""
+    their squares leave float32's normal range, one entry), for ``after_step`` to recount
+    with the two-pass ``std``; an all-zero tensor is 0. Gradients are centred near zero, so
+    the recount is rare; it replaces a two-pass ``std`` per tensor, 6.6 of resnet18's 22 ms
+    in ``collect``."""
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         mean = total / numel
         var = (norm**2 - numel * mean**2) / (numel - 1)
@@ -326,8 +351,9 @@ class Probe:
             if name in self._act or not torch.is_tensor(out) or not out.is_floating_point():
                 return
             sample = out.detach()[:n].float()
-            self._act[name] = mean_ssd(sample, self._scratch_for(sample.numel(), sample.device),
-                                       read_on_host=sample.device.type == "cpu")
+            scratch = self._scratch_for(sample.numel(), sample.device)
+            on_cpu = sample.device.type == "cpu"
+            self._act[name] = mean_ssd_host(sample, scratch) if on_cpu else mean_ssd(sample, scratch)
             self._act_numel[name] = sample.numel()
             if (getattr(self.cfg, "per_example", False) and isinstance(module, nn.Linear)
                     and inputs and torch.is_tensor(inputs[0]) and inputs[0].dim() == 2):
@@ -347,11 +373,13 @@ class Probe:
             # std is reported without the loss scale; the zero/flush counts are of the
             # values backward actually carried (scaled), which is what fp16 has to hold.
             scratch = self._scratch_for(g.numel(), g.device)
-            on_host = g.device.type == "cpu"
-            stats = mean_ssd(g, scratch, read_on_host=on_host)
-            # A finite mean means no NaN (nor inf) in the sample: the levels skip the NaN pass.
-            finite = on_host and math.isfinite(float(stats[0]))
-            self._act_grad[name] = torch.cat([stats[1:], level_sums(g, scratch, finite)]).double()
+            if g.device.type == "cpu":  # host floats (see mean_ssd_host)
+                mean, ssd = mean_ssd_host(g, scratch)
+                # A finite mean means no NaN (nor inf) in the sample: the levels skip the NaN pass.
+                s1, s2 = _level_sum_pair(g, scratch, finite=math.isfinite(mean))
+                self._act_grad[name] = (ssd, float(s1), float(s2))
+            else:
+                self._act_grad[name] = torch.cat([mean_ssd(g, scratch)[1:], level_sums(g, scratch)]).double()
             self._act_grad_meta[name] = (g.numel(), self.loss_scale)
             if getattr(self.cfg, "act_grad_hist", False):
                 self._act_grad_hist[name] = log2_histogram(g)
@@ -440,14 +468,13 @@ class Probe:
         act = [self._act.get(m) for m in act_names]
         act_grad = [self._act_grad.get(m) for m in act_names]
         nan2 = torch.full((2,), float("nan"), device=u_norm.device)
-        nan3 = torch.full((3,), float("nan"), device=u_norm.device)
         pe = [self._per_example.get(m) for m in act_names]
         parts = [
             pending["per_grad"].reshape(-1),
             pending["p_norm"],
             u_norm,
-            torch.stack([a if a is not None else nan2 for a in act]).double().reshape(-1),
-            torch.stack([a if a is not None else nan3 for a in act_grad]).double().reshape(-1),
+            _stat_rows(act, 2, u_norm.device).reshape(-1),
+            _stat_rows(act_grad, 3, u_norm.device).reshape(-1),
             residuals.reshape(-1),
             torch.stack([a if a is not None else nan2 for a in pe]).double().reshape(-1),
         ]

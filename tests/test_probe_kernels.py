@@ -22,6 +22,7 @@ from gradrepro.probe import (
     grad_std_from_sums,
     level_sums,
     mean_ssd,
+    mean_ssd_host,
 )
 
 
@@ -151,14 +152,15 @@ def test_activation_gradient_columns_match_hand_computation():
     assert cols["act_grad_frac_zero"][list(cols["module"]).index("0")] > 0
 
 
-def test_mean_ssd_on_host_takes_one_pass_only_where_it_is_accurate():
+def test_mean_ssd_host_takes_one_pass_only_where_it_is_accurate():
     g = torch.Generator().manual_seed(3)
     relu = torch.relu(torch.randn(64, 32, 8, 8, generator=g)) * 3.0  # mean^2 < var: one pass
     collapsed = 1000.0 + 1e-3 * torch.randn(64, 256, generator=g)  # mean^2 >> var: two passes
     for x in (relu, collapsed, torch.zeros(10, 10)):
         x64 = x.double()
         ref_ssd = ((x64 - x64.mean()) ** 2).sum().item()
-        mean, ssd = mean_ssd(x, read_on_host=True).double().tolist()
+        mean, ssd = mean_ssd_host(x, torch.empty(x.numel()))
+        assert (mean, ssd) == mean_ssd_host(x)  # the scratch buffer changes nothing
         assert mean == pytest.approx(x64.mean().item(), rel=1e-6)
         assert ssd == pytest.approx(ref_ssd, rel=1e-4, abs=0.0)
     # the case the fallback exists for: one pass alone would be far off there
@@ -167,7 +169,8 @@ def test_mean_ssd_on_host_takes_one_pass_only_where_it_is_accurate():
     ref = ((collapsed.double() - m) ** 2).sum().item()
     assert abs(one_pass / ref - 1) > 0.5
     nan = torch.tensor([1.0, float("nan"), 2.0])
-    assert all(math.isnan(v) for v in mean_ssd(nan, read_on_host=True).tolist())
+    assert all(math.isnan(v) for v in mean_ssd_host(nan))
+    assert all(math.isnan(v) for v in mean_ssd_host(torch.ones(0)))
 
 
 def test_activation_gradient_counts_are_exact_with_nan_and_inf_in_the_gradient():
