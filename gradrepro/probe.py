@@ -93,17 +93,18 @@ def _levels_(v: torch.Tensor, nan: bool = True) -> torch.Tensor:
     return v.ceil_()
 
 
-def level_sums(x: torch.Tensor, scratch: Optional[torch.Tensor] = None, finite: bool = False) -> torch.Tensor:
+def level_sums(x: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[sum(l), sum(l^2)]`` of the levels ``l`` of x (see ``_levels_``); ``counts_from_
     level_sums`` turns them into zero and flush counts on the host. Two sums of one
     element-wise result replace ``count_nonzero`` and a boolean mask sum, which on CPU
     are not vectorised and cost several times more. Exact: integer sums below 2^24.
-    ``scratch``: a float32 buffer of ``x.numel()`` entries to work in (no allocation).
-    ``finite``: the caller knows x holds no NaN (the NaN pass is skipped)."""
-    return torch.stack(_level_sum_pair(x, scratch, finite))
+    ``scratch``: a float32 buffer of ``x.numel()`` entries to work in (no allocation)."""
+    return torch.stack(_level_sum_pair(x, scratch))
 
 
-def _level_sum_pair(x: torch.Tensor, scratch: Optional[torch.Tensor], finite: bool):
+def _level_sum_pair(x: torch.Tensor, scratch: Optional[torch.Tensor], finite: bool = False):
+    """The two sums of ``level_sums``, unstacked; ``finite``: the caller knows x holds no
+    NaN (the NaN pass is skipped)."""
     v = torch.abs(x.reshape(-1), out=scratch) if scratch is not None else x.reshape(-1).abs()
     v = _levels_(v, nan=not finite)
     if v.numel() <= _EXACT_F32:
@@ -525,16 +526,15 @@ class Probe:
         nonzero[have] = self.numel[have] - zeros
         g_std = np.full(n, np.nan)
         g_std[have] = grad_std_from_sums(per_grad[0], per_grad[1], self.numel[have], zeros)
-        for j, i in enumerate(pending["have"]):
-            if np.isnan(g_std[i]) and self.numel[i] > 1:  # rare: the two-pass std, one sync
-                g_std[i] = float(pending["grads"][j].float().std())
+        have_idx = np.asarray(pending["have"], dtype=np.int64)
+        for j in np.flatnonzero(np.isnan(g_std[have_idx]) & (self.numel[have_idx] > 1)):
+            g_std[have_idx[j]] = float(pending["grads"][j].float().std())  # rare: two passes, one sync
         nonfinite = np.zeros(n)
-        for j, i in enumerate(pending["have"]):
-            if not math.isfinite(g_norm[i]):  # rare: count exactly, one extra sync
-                g = pending["grads"][j]
-                nonfinite[i] = float((~torch.isfinite(g)).sum())
-                nonzero[i] = float(torch.count_nonzero(g))
-                small[i] = float((g.float().abs() <= FP16_FLUSH).sum())
+        for j in np.flatnonzero(~np.isfinite(g_norm[have_idx])):  # rare: count exactly, one extra sync
+            i, g = have_idx[j], pending["grads"][j]
+            nonfinite[i] = float((~torch.isfinite(g)).sum())
+            nonzero[i] = float(torch.count_nonzero(g))
+            small[i] = float((g.float().abs() <= FP16_FLUSH).sum())
         numel = np.maximum(self.numel, 1)
         with np.errstate(divide="ignore", invalid="ignore"):
             # A zero-initialised tensor (a bias, BN's beta) has no meaningful ratio: NaN.
