@@ -165,6 +165,14 @@ def _grad_sums(grads: List[torch.Tensor], scratch_for=None) -> torch.Tensor:
 _ONE_PASS_MIN_MEAN_SQUARE = 1e-30
 
 
+def _one_pass_accurate(n, mean, square, ssd):
+    """Where ``ssd = square - n mean^2`` (``square``: the sum of squares) is accurate: more
+    than one entry, mean^2 <= var (the cancellation then costs ~1e-5 relative at most) and
+    squares far from underflow; NaN and inf fail every comparison. The one rule for the
+    hooks' floats and ``collect``'s arrays alike (``&`` works on both)."""
+    return (n > 1) & (ssd < math.inf) & (ssd >= mean * mean * (n - 1)) & (square >= n * _ONE_PASS_MIN_MEAN_SQUARE)
+
+
 def mean_ssd(x: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[mean, sum of squared deviations from the mean]`` on the device; the host finishes
     the unbiased std. Two passes (mean, then the deviations' dot) stay accurate for a large
@@ -192,7 +200,7 @@ def mean_ssd_host(x: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> Tu
     m = float(flat.sum()) / n
     square = float(torch.dot(flat, flat))
     ssd = square - n * m * m
-    if n > 1 and math.isfinite(ssd) and m * m * (n - 1) <= ssd and square >= n * _ONE_PASS_MIN_MEAN_SQUARE:
+    if _one_pass_accurate(n, m, square, ssd):
         return m, ssd
     dev = torch.sub(flat, m, out=scratch) if scratch is not None else flat - m
     return m, float(torch.dot(dev, dev))
@@ -227,10 +235,9 @@ def grad_std_from_sums(norm: np.ndarray, total: np.ndarray, numel: np.ndarray,
     in ``collect``."""
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         mean = total / numel
-        var = (norm**2 - numel * mean**2) / (numel - 1)
-        accurate = np.isfinite(var) & (var > 0) & (mean**2 <= var) & (numel > 1)
-        accurate &= norm**2 >= numel * _ONE_PASS_MIN_MEAN_SQUARE  # squares far from underflow
-        out = np.where(accurate, np.sqrt(np.where(accurate, var, 0.0)), np.nan)
+        ssd = norm**2 - numel * mean**2
+        accurate = _one_pass_accurate(numel, mean, norm**2, ssd)
+        out = np.where(accurate, np.sqrt(np.where(accurate, ssd, 0.0) / (numel - 1)), np.nan)
     return np.where((zeros == numel) & (numel > 1), 0.0, out)
 
 
