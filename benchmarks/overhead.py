@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from gradrepro.config import ProbeConfig  # noqa: E402
+from gradrepro.config.schema import ProbeConfig  # noqa: E402
 from gradrepro.probe import Probe  # noqa: E402
 
 # ----------------------------------------------------------------------------------------
@@ -146,8 +146,8 @@ class Anomaly(Bare):
 
 
 class ProbeTool(Bare):
-    """The runner's sequence: arm -> forward -> before_backward -> backward -> collect ->
-    step -> after_step (``hasattr`` keeps it working on probes without before_backward)."""
+    """The runner's sequence: zero_grad, then inside ``probe.step(...)``: forward -> backward
+    -> collect -> optimizer step; the columns come out when the block ends."""
 
     name = "gradrepro"
 
@@ -163,23 +163,15 @@ class ProbeTool(Bare):
         return self.probe.logs(step)
 
     def step(self, step: int) -> None:
-        logged = self.probe.logs(step)
-        if logged:
-            self.probe.arm()
         self.opt.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.net(self.x), self.y)
-        float(loss.detach())
-        if logged:
-            self.probe.lr = self.opt.param_groups[0]["lr"]
-            if hasattr(self.probe, "before_backward"):
-                self.probe.before_backward(step)
-        loss.backward()
-        if logged:
-            self.probe.collect()
-        self.opt.step()
-        if logged:
-            self.probe.disarm()
-            self.columns = self.probe.after_step(step)
+        with self.probe.step(step, lr=self.opt.param_groups[0]["lr"]) as p:
+            loss = self.loss_fn(self.net(self.x), self.y)
+            float(loss.detach())
+            loss.backward()
+            p.collect()
+            self.opt.step()
+        if p.logged:
+            self.columns = p.columns
 
 
 class CockpitTool(Bare):

@@ -31,26 +31,23 @@ def timed_step(tool: Bare, probe: bool) -> dict:
         now = clock()
         seg[name], last = now - last, now
 
-    if probe:
-        tool.probe.arm()
-    mark("arm")
+    recorder = tool.probe.step(0, lr=tool.opt.param_groups[0]["lr"]) if probe else None
     tool.opt.zero_grad(set_to_none=True)
+    if probe:
+        recorder.__enter__()  # arms the hooks, keeps what .grad carries in
+    mark("arm")
     loss = tool.loss_fn(tool.net(tool.x), tool.y)
     float(loss.detach())
-    if probe and hasattr(tool.probe, "before_backward"):
-        tool.probe.lr = tool.opt.param_groups[0]["lr"]
-        tool.probe.before_backward(0)
     mark("forward")
     loss.backward()
     mark("backward")
     if probe:
-        tool.probe.collect()
+        recorder.collect()
     mark("collect")
     tool.opt.step()
     mark("opt")
     if probe:
-        tool.probe.disarm()
-        tool.probe.after_step(0)
+        recorder.__exit__(None, None, None)  # disarms; update ratios and the one transfer
     mark("after_step")
     return seg
 

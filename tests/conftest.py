@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = ROOT / "configs"
+CONFIGS = ROOT / "gradrepro" / "configs"
 
 
 class CliResult:
@@ -45,22 +45,16 @@ def run_cli(run_dir: Path, *overrides: str, timeout: float = 300, env: dict = No
 
 def compose_config(overrides: Sequence[str] = ()):
     """The composed config for ``overrides`` (Hydra's compose API, no run)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from gradrepro.config.compose import composer
 
-    from gradrepro.config import register_configs
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+    with composer() as compose:
+        return compose(overrides)
 
 
 def experiment_names() -> List[str]:
-    folder = CONFIGS / "experiment"
-    return sorted(
-        str(p.relative_to(folder).with_suffix("")) for p in folder.rglob("*.yaml")
-    )
+    from gradrepro.config.compose import group_options_recursive
+
+    return group_options_recursive("experiment")
 
 
 def multirun(sweep_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -119,6 +113,23 @@ def cli(tmp_path):
         return run_cli(tmp_path / f"run{next(counter)}", *overrides, **kwargs)
 
     return _run
+
+
+def read_tables(run_dir: Path):
+    """(summary, scalars, modules) of a run folder, through gradrepro's one reader."""
+    from gradrepro.records import read_run
+
+    run = read_run(Path(run_dir))
+    return run.summary, run.scalars(), run.modules()
+
+
+def probe_step(probe, loss_fn, step: int = 0):
+    """One logged step of ``probe`` around ``loss_fn()`` (forward) and its backward; the
+    modules.parquet columns it records."""
+    with probe.step(step) as p:
+        loss_fn().backward()
+        p.collect()
+    return p.columns
 
 
 # --- bad input, for every entry point (python -m gradrepro, gradrepro.compare, ...) --------

@@ -17,6 +17,7 @@ import torch
 from conftest import CONFIGS, assert_clean_error, experiment_names, run_module
 
 from gradrepro import cli
+from gradrepro.cli import preflight
 
 # Experiment files with mistakes, put on the search path (never into configs/).
 _BAD_EXPERIMENTS = {
@@ -164,8 +165,9 @@ def _never_reached() -> None:
 @pytest.mark.parametrize("args,fragments", BAD_INPUTS, ids=[_id(c) for c in BAD_INPUTS])
 def test_bad_input_is_one_line_and_exit_2(args, fragments, paths, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(cli, "hydra_app", _never_reached)
     with pytest.raises(SystemExit) as stop:
-        cli.main(_never_reached, _argv(args, paths, tmp_path / "run"))
+        cli.main(_argv(args, paths, tmp_path / "run"))
     err = capsys.readouterr().err
     line = assert_clean_error(stop.value.code, err, *fragments)
     assert line.startswith("gradrepro: error: ")
@@ -218,9 +220,9 @@ def test_hydra_help_and_cfg_still_work(tmp_path):
 
 
 def test_valid_sweep_and_search_path_pass_the_preflight(paths):
-    cli.preflight(["-m", "experiment=glob(simsiam_*)", "seed=0,1", "scale=tiny"])
+    preflight.check(["-m", "experiment=glob(simsiam_*)", "seed=0,1", "scale=tiny"])
     (paths["extra"] / "experiment" / "fine.yaml").write_text(
         "# @package _global_\ndefaults:\n  - simsiam_baseline\n  - _self_\nname: fine\n")
-    cli.preflight(["--config-dir", str(paths["extra"]), "experiment=fine"])
-    cli.preflight([f"hydra.searchpath=[file://{paths['extra']}]", "experiment=fine"])
-    cli.preflight(["+paper.note=free-form keys are fine here"])
+    preflight.check(["--config-dir", str(paths["extra"]), "experiment=fine"])
+    preflight.check([f"hydra.searchpath=[file://{paths['extra']}]", "experiment=fine"])
+    preflight.check(["+paper.note=free-form keys are fine here"])

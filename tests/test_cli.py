@@ -91,7 +91,7 @@ def test_preflight_names_the_problem(override, expected):
     from gradrepro.errors import UserError
 
     with pytest.raises(UserError) as info:
-        preflight(["experiment=simsiam_baseline", override, "scale=tiny"])
+        preflight.check(["experiment=simsiam_baseline", override, "scale=tiny"])
     message = str(info.value)
     assert expected in message and "\n" not in message
 

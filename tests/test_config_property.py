@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from gradrepro import cli
+from gradrepro.cli import preflight
 from gradrepro.errors import UserError
 
 GROUPS = ["experiment", "model", "data", "objective", "optim", "init", "precision", "probe", "scale"]
@@ -80,7 +80,7 @@ def check_clean(argv) -> bool:
     """True if the config passed the preflight; False if refused with one clean line.
     Any other outcome (another exception, a multi-line message) fails the test."""
     try:
-        cli.preflight(argv)
+        preflight.check(argv)
     except UserError as exc:
         message = str(exc)
         assert message.strip(), f"empty message for {argv}"
@@ -108,7 +108,7 @@ _CAPS = {"train.steps": 3, "data.n_train": 128, "data.n_test": 64, "data.batch_s
 @settings(max_examples=int(os.environ.get("GRADREPRO_PROPERTY_EXAMPLES", "300")), **_SETTINGS)
 @given(argv=st.one_of(ARGV, PLAIN))
 def test_random_overrides_run_or_fail_in_one_line(argv, tmp_path_factory):
-    from gradrepro import runner
+    from gradrepro.train import loop as runner
 
     argv = ["scale=tiny", *argv]
     if not check_clean(argv):

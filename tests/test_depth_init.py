@@ -14,7 +14,8 @@ import math
 import pytest
 from conftest import compose_config
 
-from gradrepro.signature import RunRecords, evaluate
+from gradrepro.records.run import RunRecords
+from gradrepro.signature import evaluate
 
 DEPTH = ["depth30_kaiming", "depth30_xavier", "depth30_std001"]
 GLOROT = ["glorot_normalized", "glorot_standard"]

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from gradrepro.derivation import (
+from gradrepro.signature.derivation import (
     MODEL_B_FILTERS,
     attenuation,
     backward_std_ratio,
@@ -16,7 +16,7 @@ from gradrepro.derivation import (
     layer_factor,
     layer_stds,
 )
-from gradrepro.init import INIT_SCHEMES, init_weight, scheme_std
+from gradrepro.train.init import INIT_SCHEMES, init_weight, scheme_std
 
 
 def test_he_std_gives_the_papers_stds_for_model_b():

@@ -10,9 +10,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import probe_step
 from torch import nn
 
-from gradrepro.config import ProbeConfig
+from gradrepro.config.schema import ProbeConfig
 from gradrepro.diagnose import (
     DiagnoseError,
     check_derivative,
@@ -376,9 +377,7 @@ def test_grad_states_agree_with_the_probe():
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     report = diagnose(net, opt, loss_of(net), step=False)
     opt.zero_grad()
-    loss_of(net)().backward()
-    probe.collect()
-    cols = probe.after_step(0)
+    cols = probe_step(probe, loss_of(net))
     assert list(report.table["grad_state"]) == list(cols["grad_state"])
     assert "tiny" in set(cols["grad_state"])
 

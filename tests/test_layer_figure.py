@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from gradrepro import store
-from gradrepro.layer_figure import layer_table, plot_inits, plot_layer_profiles
+from gradrepro.analysis.layer_figure import layer_table, plot_inits, plot_layer_profiles
+from gradrepro.records import files as store
 
 
 def fake_run(folder, name, scale):

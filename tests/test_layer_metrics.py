@@ -7,12 +7,15 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import probe_step
 from torch import nn
 
-from gradrepro.config import ProbeConfig
-from gradrepro.layer_metrics import select, weight_layers
-from gradrepro.probe import Probe, per_example_stats
-from gradrepro.signature import RunRecords, evaluate
+from gradrepro.config.schema import ProbeConfig
+from gradrepro.probe import Probe
+from gradrepro.probe.kernels import per_example_stats
+from gradrepro.records.run import RunRecords
+from gradrepro.signature import evaluate
+from gradrepro.signature.metrics.layers import select, weight_layers
 
 
 def records(values, column="act_grad_std", kinds=None, constants=None) -> RunRecords:
@@ -91,11 +94,7 @@ def test_per_example_stats_match_gradients_taken_one_example_at_a_time():
     expected_s = torch.stack(grads_s).var(unbiased=False).item()
     # The probe on one batch-mean step.
     probe = Probe(net, ProbeConfig(every=1, act_sample=8, per_example=True), total_steps=1)
-    probe.arm()
-    nn.functional.cross_entropy(net(x), y).backward()
-    probe.collect()
-    probe.disarm()
-    cols = probe.after_step(0)
+    cols = probe_step(probe, lambda: nn.functional.cross_entropy(net(x), y))
     first = list(cols["module"]).index("0")
     assert cols["pe_grad_var"][first] == pytest.approx(expected_w, rel=1e-4)
     assert cols["pe_act_grad_var"][first] == pytest.approx(expected_s, rel=1e-4)
@@ -111,22 +110,15 @@ def test_per_example_stats_match_gradients_taken_one_example_at_a_time():
 def test_grad_std_and_weight_decay_ratio_columns():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 3))
-    probe = Probe(net, ProbeConfig(every=1), total_steps=1)
-    probe.weight_decay = 5e-4
-    probe.arm()
-    net(torch.randn(6, 4)).pow(2).sum().backward()
-    probe.collect()
-    probe.disarm()
-    cols = probe.after_step(0)
+    probe = Probe(net, ProbeConfig(every=1), total_steps=1, weight_decay=5e-4)
+    cols = probe_step(probe, lambda: net(torch.randn(6, 4)).pow(2).sum())
     g, w = net[0].weight.grad, net[0].weight.detach()
     assert cols["grad_std"][0] == pytest.approx(g.std().item(), rel=1e-5)
     assert cols["grad_to_decay"][0] == pytest.approx(g.norm().item() / (5e-4 * w.norm().item()), rel=1e-5)
-    probe.weight_decay = 0.0  # no weight decay: no ratio (NaN), never a division by zero
-    probe.arm()
-    net(torch.randn(6, 4)).pow(2).sum().backward()
-    probe.collect()
-    probe.disarm()
-    assert np.isnan(probe.after_step(0)["grad_to_decay"]).all()
+    probe = Probe(net, ProbeConfig(every=1), total_steps=1)  # no weight decay: no ratio (NaN)
+    net.zero_grad()
+    cols = probe_step(probe, lambda: net(torch.randn(6, 4)).pow(2).sum())
+    assert np.isnan(cols["grad_to_decay"]).all()
 
 
 def test_a_gradient_of_exact_zeros_is_infinitely_below_not_an_error():

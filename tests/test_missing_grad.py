@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import compose_config, experiment_names
+from conftest import compose_config, experiment_names, read_tables
 from omegaconf import OmegaConf
 
-from gradrepro.signature import RunRecords, evaluate
-from gradrepro.store import read_run
+from gradrepro.records.run import RunRecords
+from gradrepro.signature import evaluate
 
 NAMES = [n for n in experiment_names() if n.startswith("missing_grad/")]
 FAILURES = [n for n in NAMES if not n.endswith("_repaired") and n not in
@@ -40,7 +40,7 @@ def runs(tiny_runs):
 
 
 def _records(run_dir: Path) -> RunRecords:
-    summary, scalars, modules = read_run(run_dir)
+    summary, scalars, modules = read_tables(run_dir)
     return RunRecords(scalars, modules, summary.get("constants", {}))
 
 
@@ -50,7 +50,7 @@ def _signature(name: str):
 
 def test_every_run_writes_the_usual_run_directory(runs):
     for name, run_dir in runs.items():
-        summary, scalars, modules = read_run(run_dir)
+        summary, scalars, modules = read_tables(run_dir)
         assert summary["status"] == "completed", name
         assert len(modules) and {"grad_state", "grad_norm", "module", "param"} <= set(modules.columns), name
         assert {"expected_found", "unexpected_findings", "update_matches", "derivative_rel_err"} <= set(scalars)

@@ -13,14 +13,17 @@ import torch
 from conftest import compose_config
 from torch import nn
 
-from gradrepro.comparisons import curve_distance, load_records, metric_ratio
-from gradrepro.config import DiagnoseConfig, ProbeConfig
+from gradrepro.config.schema import ModePassConfig, ProbeConfig
 from gradrepro.data import ImageData
-from gradrepro.modes import FrozenAudit, diagnostic_pass, hold_eval
+from gradrepro.measure.frozen_audit import FrozenAudit
+from gradrepro.measure.mode_pass import mode_pass
 from gradrepro.objectives.classification import Classification, ClassificationConfig
 from gradrepro.probe import Probe
-from gradrepro.runner import run
-from gradrepro.signature import evaluate
+from gradrepro.records import read_run
+from gradrepro.signature import evaluate, metric_ratio
+from gradrepro.signature.metrics.runs import curve_distance
+from gradrepro.train.loop import run
+from gradrepro.train.mode_policy import hold_eval
 
 # --- mechanisms on tiny models --------------------------------------------------------
 
@@ -49,8 +52,8 @@ def trained_bn_net() -> nn.Sequential:
 def test_eval_mode_diagnostic_is_the_deployed_function_with_gradients():
     net = trained_bn_net()
     buffers = {k: v.clone() for k, v in net.named_buffers()}
-    out = diagnostic_pass(net, Classification(ClassificationConfig()), tiny_data(),
-                          DiagnoseConfig(mode="eval", batch_size=4, small_batches=[2, 1]))
+    out = mode_pass(net, Classification(ClassificationConfig()), tiny_data(),
+                    ModePassConfig(mode="eval", batch_size=4, small_batches=[2, 1]))
     assert out["diag_out_rel_diff"] == 0.0 and out["diag_loss_rel_diff"] == 0.0
     assert out["diag_buffers_identical"] == 1.0 and out["diag_running_mean_drift"] == 0.0
     assert out["diag_grad_present"] == 1.0  # eval mode is not no_grad
@@ -63,8 +66,8 @@ def test_eval_mode_diagnostic_is_the_deployed_function_with_gradients():
 def test_train_mode_diagnostic_differs_moves_buffers_and_batch_of_one_is_a_result():
     net = trained_bn_net()
     buffers = {k: v.clone() for k, v in net.named_buffers()}
-    out = diagnostic_pass(net, Classification(ClassificationConfig()), tiny_data(),
-                          DiagnoseConfig(mode="train", batch_size=4, small_batches=[2, 1]))
+    out = mode_pass(net, Classification(ClassificationConfig()), tiny_data(),
+                    ModePassConfig(mode="train", batch_size=4, small_batches=[2, 1]))
     assert out["diag_out_rel_diff"] > 0 and out["diag_loss_rel_diff"] > 0
     assert out["diag_buffers_identical"] == 0.0 and out["diag_running_mean_drift"] > 0
     assert out["diag_grad_present"] == 1.0 and out["diag_grad_present_ref"] == 1.0
@@ -104,15 +107,12 @@ def sgd_steps(zero_grad: bool, steps: int = 4, lr: float = 0.1):
         assert probe.logs(step)  # the running-sum window logs every step
         if zero_grad:
             opt.zero_grad(set_to_none=True)
-        probe.arm()
-        loss = net(x + step).pow(2).mean()
-        probe.lr = lr
-        probe.before_backward(step)
-        loss.backward()
-        probe.collect()
-        opt.step()
-        probe.disarm()
-        rows.append(probe.after_step(step))
+        with probe.step(step, lr=lr) as p:
+            loss = net(x + step).pow(2).mean()
+            loss.backward()
+            p.collect()
+            opt.step()
+        rows.append(p.columns)
     return rows
 
 
@@ -136,7 +136,7 @@ def run_quiet(tmp_path, name: str, *overrides: str):
     cfg = compose_config([f"experiment={name}", *overrides])
     with contextlib.redirect_stdout(io.StringIO()):
         summary = run(cfg, tmp_path / name)
-    return cfg, summary, load_records(tmp_path / name)
+    return cfg, summary, read_run(tmp_path / name).records()
 
 
 def opposite(tmp_path, failure: str, control: str, *overrides: str):

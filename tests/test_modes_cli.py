@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
-
-from gradrepro.store import read_run
+from conftest import read_tables
 
 MODE_EXPERIMENTS = [
     "bn_diagnose_in_eval_mode", "bn_diagnose_in_train_mode", "bn_none", "bn_speedup",
@@ -17,7 +16,7 @@ MODE_EXPERIMENTS = [
 
 @pytest.mark.parametrize("name", MODE_EXPERIMENTS)
 def test_experiment_runs_at_tiny_scale(tiny_runs, name):
-    summary, scalars, modules = read_run(tiny_runs[name])
+    summary, scalars, modules = read_tables(tiny_runs[name])
     assert summary["status"] == "completed"
     assert summary["experiment"] == name
     assert summary["checks"] and all(c["metric"] for c in summary["checks"])

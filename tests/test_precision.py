@@ -14,14 +14,17 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import compose_config
+from conftest import compose_config, probe_step, read_tables
 from torch import nn
 
-from gradrepro.config import PrecisionConfig, ProbeConfig
-from gradrepro.precision import Precision, RoundGradToFP16, flush_fraction, round_to_fp16
-from gradrepro.probe import HIST_COLUMNS, Probe, log2_histogram
-from gradrepro.signature import RunRecords, evaluate
-from gradrepro.store import read_run
+from gradrepro.config.schema import PrecisionConfig, ProbeConfig
+from gradrepro.probe import Probe
+from gradrepro.probe.kernels import HIST_COLUMNS, log2_histogram
+from gradrepro.records.run import RunRecords
+from gradrepro.signature import evaluate
+from gradrepro.signature.metrics.precision import flush_fraction
+from gradrepro.train.loop import run
+from gradrepro.train.precision import Precision, RoundGradToFP16, round_to_fp16
 
 EXPERIMENTS = ["precision_fp32", "precision_fp16_noscale", "precision_fp16_scale8", "precision_fp16_dynamic"]
 
@@ -115,8 +118,6 @@ def test_emulation_agrees_with_real_cpu_autocast_per_layer(shift, scale):
 
 
 def run_quiet(overrides, run_dir):
-    from gradrepro.runner import run
-
     cfg = compose_config(overrides)
     with contextlib.redirect_stdout(io.StringIO()):
         run(cfg, run_dir)
@@ -149,11 +150,8 @@ def test_histogram_probe_is_off_by_default_and_columns_when_on():
     x = torch.randn(16, 1, 8, 8)
     for flag, present in ((False, False), (True, True)):
         probe = Probe(net, ProbeConfig(every=1, act_grad_hist=flag, act_sample=16), total_steps=1)
-        probe.arm()
-        net(x).sum().backward()
-        probe.collect()
-        probe.disarm()
-        cols = probe.after_step(0)
+        net.zero_grad()
+        cols = probe_step(probe, lambda: net(x).sum())
         assert ("act_grad_hist_zero" in cols) is present
         if present:  # each module's counts add up to the sampled gradient's size
             rows = pd.DataFrame(cols).drop_duplicates("module")
@@ -162,7 +160,7 @@ def test_histogram_probe_is_off_by_default_and_columns_when_on():
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_precision_experiment_runs_end_to_end_at_tiny_scale(tiny_runs, name):
-    summary, scalars, modules = read_run(tiny_runs[name])
+    summary, scalars, modules = read_tables(tiny_runs[name])
     assert summary["status"] == "completed"
     assert "loss" in {c["metric"] for c in summary["checks"]}
     assert "act_grad_hist_-27" in modules and "act_grad_frac_fp16_underflow" in modules

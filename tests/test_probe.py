@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradrepro.config import ProbeConfig
+from gradrepro.config.schema import ProbeConfig
 from gradrepro.probe import FP16_FLUSH, Probe, grad_states
 
 
@@ -22,13 +22,12 @@ def two_layer() -> nn.Sequential:
 def probe_step(net, x, loss_fn, cfg=None, lr=0.1):
     probe = Probe(net, cfg or ProbeConfig(every=1, act_sample=1000), total_steps=1)
     opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=lr)
-    probe.arm()
-    loss = loss_fn(net(x))
-    loss.backward()
-    probe.collect()
-    opt.step()
-    probe.disarm()
-    return probe.after_step(0)
+    with probe.step(0, lr=lr) as p:
+        loss = loss_fn(net(x))
+        loss.backward()
+        p.collect()
+        opt.step()
+    return p.columns
 
 
 def test_norms_and_ratios_match_hand_computation():
@@ -121,20 +120,24 @@ def test_probe_runs_nothing_on_unlogged_steps():
     probe = Probe(net, ProbeConfig(every=4), total_steps=10)
     assert [s for s in range(10) if probe.logs(s)] == [0, 4, 8, 9]
     assert probe._handles == []  # no hooks until armed
+    with probe.step(1) as p:  # an unlogged step: nothing armed, nothing recorded
+        assert not p.logged and probe._handles == []
+        net(torch.ones(1, 3)).sum().backward()
+        p.collect()
+    assert p.columns is None
 
 
 def test_task_contribution_splits_gradient_by_loss_term():
     net = two_layer()
     x = torch.randn(5, 3)
     probe = Probe(net, ProbeConfig(every=1), total_steps=1)
-    probe.arm()
-    y = net(x)
-    terms = {"first": y[:, 0].sum(), "second": 0.0 * y[:, 1].sum()}
-    (terms["first"] + terms["second"]).backward(retain_graph=True)
-    probe.contribution(terms)
-    probe.collect()
-    probe.disarm()
-    cols = probe.after_step(0)
+    with probe.step(0) as p:
+        y = net(x)
+        terms = {"first": y[:, 0].sum(), "second": 0.0 * y[:, 1].sum()}
+        (terms["first"] + terms["second"]).backward(retain_graph=True)
+        p.contribution(terms)
+        p.collect()
+    cols = p.columns
     # The zero-weighted term sends nothing; the other term sends the whole gradient.
     np.testing.assert_allclose(cols["contrib_second"], 0.0, atol=1e-12)
     np.testing.assert_allclose(cols["contrib_first"], cols["grad_norm"], rtol=1e-5)

@@ -11,11 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from gradrepro import probe as probe_mod
-from gradrepro.config import ProbeConfig
-from gradrepro.probe import (
-    FP16_FLUSH,
-    Probe,
+from gradrepro.config.schema import ProbeConfig
+from gradrepro.probe import FP16_FLUSH, Probe
+from gradrepro.probe import kernels as probe_mod
+from gradrepro.probe.kernels import (
     _grad_sums,
     _std,
     counts_from_level_sums,
@@ -105,10 +104,11 @@ def test_collect_recounts_the_std_of_a_gradient_with_a_large_mean():
     torch.manual_seed(0)
     net = nn.Linear(50, 40)
     probe = Probe(net, ProbeConfig(every=1), total_steps=1)
-    net(torch.randn(8, 50)).sum().backward()
-    net.weight.grad = torch.randn(40, 50) * 1e-6 + 1.0  # what a debugger must still get right
-    probe.collect()
-    cols = probe.after_step(0)
+    with probe.step(0) as p:
+        net(torch.randn(8, 50)).sum().backward()
+        net.weight.grad = torch.randn(40, 50) * 1e-6 + 1.0  # what a debugger must still get right
+        p.collect()
+    cols = p.columns
     for i, name in enumerate(cols["param"]):
         ref = getattr(net, name).grad.double().std().item()
         assert cols["grad_std"][i] == pytest.approx(ref, rel=1e-4)
@@ -135,11 +135,10 @@ def test_activation_gradient_columns_match_hand_computation():
     grads = {"0": h.grad, "2": out.grad}
     net.zero_grad()
     probe = Probe(net, ProbeConfig(every=1, act_sample=1000), total_steps=1)
-    probe.arm()
-    (net(x).pow(2).sum() * 1e-9).backward()
-    probe.collect()
-    probe.disarm()
-    cols = probe.after_step(0)
+    with probe.step(0) as p:
+        (net(x).pow(2).sum() * 1e-9).backward()
+        p.collect()
+    cols = p.columns
     for i, module in enumerate(cols["module"]):
         g = grads[module]
         zeros, small = reference_counts(g)
@@ -177,13 +176,12 @@ def test_activation_gradient_counts_are_exact_with_nan_and_inf_in_the_gradient()
     # the hook skips its NaN pass only when the sample's mean is finite: here it is not
     net = nn.Sequential(nn.Linear(3, 400))
     probe = Probe(net, ProbeConfig(every=1, act_sample=1000), total_steps=1)
-    probe.arm()
-    out = net(torch.randn(5, 3))
-    grad = awkward(out.numel(), 11).reshape(out.shape)
-    out.backward(grad)
-    probe.collect()
-    probe.disarm()
-    cols = probe.after_step(0)
+    with probe.step(0) as p:
+        out = net(torch.randn(5, 3))
+        grad = awkward(out.numel(), 11).reshape(out.shape)
+        out.backward(grad)
+        p.collect()
+    cols = p.columns
     zeros, small = reference_counts(grad)
     assert cols["act_grad_frac_zero"][0] == pytest.approx(zeros / grad.numel())
     assert cols["act_grad_frac_fp16_underflow"][0] == pytest.approx((small - zeros) / (grad.numel() - zeros))

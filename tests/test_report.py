@@ -11,7 +11,7 @@ from conftest import compose_config, experiment_names, run_module
 
 
 def test_report_selects_experiments_from_configs_and_adds_controls():
-    from gradrepro.report import select_experiments
+    from gradrepro.analysis.report import select_experiments
 
     assert select_experiments(None) == experiment_names()
     assert select_experiments(["simsiam_nostop*"]) == ["simsiam_baseline", "simsiam_nostopgrad"]
@@ -20,7 +20,7 @@ def test_report_selects_experiments_from_configs_and_adds_controls():
 
 
 def test_sweep_command_is_one_joblib_multirun(tmp_path):
-    from gradrepro.report import sweep_command
+    from gradrepro.analysis.report import sweep_command
 
     cmd = sweep_command(["a", "b"], 3, 2, tmp_path, ["scale=tiny"])
     assert cmd[1:] == [

@@ -17,8 +17,11 @@ import pandas as pd
 import pytest
 from conftest import ROOT, compose_config
 
-from gradrepro import runner, store
 from gradrepro.errors import UserError
+from gradrepro.probe import Probe
+from gradrepro.records import files as store
+from gradrepro.records.writer import Records
+from gradrepro.train import loop as runner
 
 TINY = ("scale=tiny",)
 LONG = ("scale=tiny", "train.steps=1000000")  # stopped by the test long before its end
@@ -153,14 +156,14 @@ def test_sigkill_leaves_no_half_written_file(tmp_path):
 def test_a_signal_in_process_writes_the_summary(tmp_path, monkeypatch):
     """The in-process path (runner.run), with a signal raised from inside the loop."""
     cfg = compose_config([*LONG])
-    real_after_step = runner.Probe.after_step
+    real_after_step = Probe._after_step
 
     def after_step_then_signal(self, step):
         if step == 2:
             os.kill(os.getpid(), signal.SIGTERM)
         return real_after_step(self, step)
 
-    monkeypatch.setattr(runner.Probe, "after_step", after_step_then_signal)
+    monkeypatch.setattr(Probe, "_after_step", after_step_then_signal)
     summary = runner.run(cfg, tmp_path / "run")
     assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM"
     assert summary["stopped_at"] == 2
@@ -224,14 +227,14 @@ def test_a_failing_progress_bar_loses_no_records(tmp_path, monkeypatch, caplog):
 
 
 def test_an_error_mid_run_keeps_the_records_and_says_failed(tmp_path, monkeypatch):
-    real_after_step = runner.Probe.after_step
+    real_after_step = Probe._after_step
 
     def after_step_that_breaks(self, step):
         if step >= 4:
             raise RuntimeError("a bug at step 4")
         return real_after_step(self, step)
 
-    monkeypatch.setattr(runner.Probe, "after_step", after_step_that_breaks)
+    monkeypatch.setattr(Probe, "_after_step", after_step_that_breaks)
     with pytest.raises(RuntimeError, match="a bug at step 4"):
         runner.run(compose_config([*TINY]), tmp_path / "run")
     files = read_all(tmp_path / "run")
@@ -253,7 +256,7 @@ def test_an_unwritable_run_folder_is_reported_before_training(tmp_path, monkeypa
 
 def test_a_failing_periodic_flush_warns_and_training_goes_on(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("GRADREPRO_FLUSH_SECONDS", "0")
-    real_flush, calls = store.Records.flush, {"n": 0}
+    real_flush, calls = Records.flush, {"n": 0}
 
     def flush_full_disk(self):
         calls["n"] += 1
@@ -261,7 +264,7 @@ def test_a_failing_periodic_flush_warns_and_training_goes_on(tmp_path, monkeypat
             raise OSError(28, "No space left on device")
         return real_flush(self)
 
-    monkeypatch.setattr(store.Records, "flush", flush_full_disk)
+    monkeypatch.setattr(Records, "flush", flush_full_disk)
     summary = runner.run(compose_config([*TINY]), tmp_path / "run")
     assert summary["status"] == "completed"
     assert "No space left on device" in caplog.text

@@ -7,19 +7,19 @@ import contextlib
 import io
 
 import pytest
-from conftest import compose_config
+from conftest import compose_config, read_tables
 from omegaconf import OmegaConf
 
-from gradrepro.runner import run
-from gradrepro.signature import RunRecords, evaluate
-from gradrepro.store import read_run
+from gradrepro.records.run import RunRecords
+from gradrepro.signature import evaluate
+from gradrepro.train.loop import run
 
 
 def run_experiment(tmp_path, name, *overrides):
     cfg = compose_config([f"experiment={name}", *overrides])
     with contextlib.redirect_stdout(io.StringIO()):
         run(cfg, tmp_path / name.replace("/", "_"))
-    summary, scalars, modules = read_run(tmp_path / name.replace("/", "_"))
+    summary, scalars, modules = read_tables(tmp_path / name.replace("/", "_"))
     return cfg, summary, RunRecords(scalars, modules, summary["constants"])
 
 

@@ -35,7 +35,7 @@ def summaries(sweep: Path) -> dict:
 
 
 def compare_tables(*paths: Path, by=None):
-    from gradrepro.compare import compare
+    from gradrepro.analysis.compare import compare
 
     tables, runs, warnings = compare(list(paths), by)
     return tables, runs, warnings
@@ -83,38 +83,35 @@ def test_glob_runs_every_experiment(tmp_path):
     assert ran == {compose_config([f"experiment={n}"]).name for n in experiment_names()}
 
 
-def test_glob_expansion_recurses_into_subfolders_and_honours_exclude(tmp_path, monkeypatch):
-    from gradrepro import cli
+def test_glob_expansion_recurses_into_subfolders_and_honours_exclude(tmp_path):
+    from functools import partial
+
+    from gradrepro.cli import preflight
+    from gradrepro.errors import UserError
 
     configs = tmp_path / "configs"
     for name in ("a", "b", "sub/c", "sub/d"):
         (configs / "experiment" / name).parent.mkdir(parents=True, exist_ok=True)
         (configs / "experiment" / f"{name}.yaml").write_text("# @package _global_\n")
-    monkeypatch.setattr(cli, "CONFIG_DIR", configs)
-    assert cli.expand_globs(["-m", "experiment=glob(*)", "seed=0,1"]) == [
+    expand_globs = partial(preflight.expand_globs, config_dir=configs)
+    assert expand_globs(["-m", "experiment=glob(*)", "seed=0,1"]) == [
         "-m",
         "experiment=a,b,sub/c,sub/d",
         "seed=0,1",
     ]
-    assert cli.expand_globs(["experiment=glob(*,exclude=sub/*)"]) == ["experiment=a,b"]
-    assert cli.expand_globs(["experiment=glob(sub/*)"]) == ["experiment=sub/c,sub/d"]
-    assert cli.expand_globs(["seed=0,1", "hydra/launcher=joblib"]) == [
+    assert expand_globs(["experiment=glob(*,exclude=sub/*)"]) == ["experiment=a,b"]
+    assert expand_globs(["experiment=glob(sub/*)"]) == ["experiment=sub/c,sub/d"]
+    assert expand_globs(["seed=0,1", "hydra/launcher=joblib"]) == [
         "seed=0,1",
         "hydra/launcher=joblib",
     ]
-    with pytest.raises(cli.UserError, match="matches no experiment"):
-        cli.expand_globs(["experiment=glob(zzz*)"])
+    with pytest.raises(UserError, match="matches no experiment"):
+        expand_globs(["experiment=glob(zzz*)"])
 
 
 def test_slurm_launcher_config_takes_partition_time_cpus_gpus_memory_overrides():
-    from conftest import CONFIGS
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from gradrepro.config.compose import composer
 
-    from gradrepro.config import register_configs
-
-    register_configs()
-    GlobalHydra.instance().clear()
     wanted = {
         "partition": "gpu",
         "timeout_min": 30,
@@ -123,17 +120,15 @@ def test_slurm_launcher_config_takes_partition_time_cpus_gpus_memory_overrides()
         "mem_gb": 16,
     }
     for launcher in ("slurm", "submitit_slurm"):
-        with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        with composer() as compose:
             cfg = compose(
-                "config",
-                return_hydra_config=True,
-                overrides=[
+                [
                     f"hydra/launcher={launcher}",
                     "experiment=simsiam_baseline",
                     *(f"hydra.launcher.{k}={v}" for k, v in wanted.items()),
                 ],
+                return_hydra_config=True,
             )
-        GlobalHydra.instance().clear()
         assert cfg.hydra.launcher._target_.endswith("submitit_launcher.SlurmLauncher")
         assert {k: cfg.hydra.launcher[k] for k in wanted} == wanted
 
@@ -193,8 +188,9 @@ def test_compare_rows_groups_and_paired_columns(launcher, request):
     )
     for key in ("loss", "z_std", "knn_acc"):
         assert {f"{key} mean", f"{key} control mean", f"{key} thr"} <= set(pairs.columns)
-    from gradrepro.runs import signature_of
-    from gradrepro.signature import RunRecords, evaluate
+    from gradrepro.records.reader import signature_of
+    from gradrepro.records.run import RunRecords
+    from gradrepro.signature import evaluate
 
     ablation = next(r for r in runs if r.experiment == "simsiam_nostopgrad")
     controls = [r for r in runs if r.experiment == "simsiam_baseline"]
@@ -313,8 +309,8 @@ def test_compare_exits_non_zero_only_when_nothing_is_readable(tmp_path):
 def test_plot_has_one_loss_line_and_one_module_line_per_run(joblib_sweep, tmp_path):
     import matplotlib.pyplot as plt
 
-    from gradrepro.compare_figure import figure_runs
-    from gradrepro.runs import load_runs
+    from gradrepro.analysis.compare_figure import figure_runs
+    from gradrepro.records.reader import load_runs
 
     runs, _ = load_runs([joblib_sweep])
     fig = figure_runs(runs)

@@ -41,7 +41,7 @@ def test_tensorboard_run_writes_scalars_grad_norms_and_histograms(cli):
 
 
 def test_nonfinite_values_are_counted_not_crashing_or_vanishing(tmp_path):
-    from gradrepro.loggers import TensorBoardRecords
+    from gradrepro.records.tensorboard import TensorBoardRecords
 
     net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     for p in net.parameters():

@@ -10,11 +10,15 @@ from gradrepro.data.cifar10 import Cifar10, Cifar10Config
 from gradrepro.data.digits import Digits, DigitsConfig
 from gradrepro.data.patterns import Patterns, PatternsConfig
 
-DATA_SCHEMAS = {"digits": DigitsConfig, "patterns": PatternsConfig, "cifar10": Cifar10Config}
-_BUILDERS = {"digits": Digits, "patterns": Patterns, "cifar10": Cifar10}
+# data=NAME -> (its config schema, the class built from that config): the one registry.
+DATA = {
+    "digits": (DigitsConfig, Digits),
+    "patterns": (PatternsConfig, Patterns),
+    "cifar10": (Cifar10Config, Cifar10),
+}
 
-__all__ = ["Batch", "DataBase", "ImageData", "DATA_SCHEMAS", "build_data"]
+__all__ = ["Batch", "DataBase", "ImageData", "DATA", "build_data"]
 
 
 def build_data(cfg: Any, seed: int) -> ImageData:
-    return _BUILDERS[cfg.name](cfg, seed)
+    return DATA[cfg.name][1](cfg, seed)

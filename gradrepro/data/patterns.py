@@ -6,7 +6,7 @@ already reaches ~0.97 k-NN accuracy, so that half of the claim cannot show there
 class is a 4x4 +-1 template (amplitude 2) at a jittered position in a 12x12 image, under a
 smooth random background (std 3) and pixel noise that are drawn anew for every view: two
 views share the content and differ in the nuisance, so a random encoder is far below what
-learning the invariance reaches (design from shared/PAPERS.md, "the accuracy half").
+learning the invariance reaches (experiments/simsiam.md).
 """
 
 from __future__ import annotations

@@ -13,11 +13,15 @@ from gradrepro.models.mlp import MLP, MLPConfig
 from gradrepro.models.plainnet import PlainNet, PlainNetConfig
 from gradrepro.models.resnet import ResNet18Cifar, ResNet18CifarConfig
 
-MODEL_SCHEMAS = {"mlp": MLPConfig, "convnet": ConvNetConfig, "resnet18_cifar": ResNet18CifarConfig,
-                 "missing_grad": MissingGradConfig, "plainnet": PlainNetConfig}
-_BUILDERS = {"mlp": MLP, "convnet": ConvNet, "resnet18_cifar": ResNet18Cifar,
-             "missing_grad": MissingGradCase, "plainnet": PlainNet}
+# model=NAME -> (its config schema, the class built from that config): the one registry.
+MODELS = {
+    "mlp": (MLPConfig, MLP),
+    "convnet": (ConvNetConfig, ConvNet),
+    "resnet18_cifar": (ResNet18CifarConfig, ResNet18Cifar),
+    "missing_grad": (MissingGradConfig, MissingGradCase),
+    "plainnet": (PlainNetConfig, PlainNet),
+}
 
 
 def build_model(cfg: Any) -> nn.Module:
-    return _BUILDERS[cfg.name](cfg)
+    return MODELS[cfg.name][1](cfg)

@@ -1,7 +1,6 @@
 """A small conv encoder: conv3x3-BN-ReLU blocks and a global max-pool.
 
-SimSiam's encoder at CPU scale (shared/PAPERS.md, "the accuracy half": 2 conv + BN + ReLU,
-global max-pool). Max-pooling makes the features translation tolerant, which is what two
+SimSiam's encoder at CPU scale (2 conv + BN + ReLU, global max-pool; experiments/simsiam.md). Max-pooling makes the features translation tolerant, which is what two
 views of a jittered pattern need to agree on.
 """
 

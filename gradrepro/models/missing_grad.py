@@ -1,6 +1,7 @@
 """Tiny broken models, one per cause of a missing gradient, each with its repaired variant.
 
-Source: ``shared/seeds/diagnose-missing-gradients.txt`` ("unregistered layers, an optimizer
+Source: the PyTorch editorial guide "Diagnose missing gradients and unchanged parameters"
+("unregistered layers, an optimizer
 referencing an old Parameter, intentional freezing, a detached expression, reconstruction with
 torch.tensor, a no-grad context, unused branches, or inspection of a non-leaf tensor whose
 gradient was not retained"). Every case is the same small classifier

@@ -2,13 +2,13 @@
 
 He et al., ICCV 2015 (arXiv 1502.01852), Sec. 2.2 and Fig. 3: a plain 30-layer net (27 conv
 + 3 fc, no batch normalisation) converges under their init and "completely stalls" under
-"Xavier". At CPU scale (shared/PAPERS.md, trials): 8x8 digits, every conv keeps the
+"Xavier". At CPU scale (experiments/depth_init.md): 8x8 digits, every conv keeps the
 resolution (stride 1, padding 1), so ``depth`` alone sets how many times the signal is
 multiplied by (1/2) n Var[w].
 
 The same class builds the VGG "model B" conv stack (10 conv 3x3: 64, 64, 128, 128, 256, 256,
 512, 512, 512, 512 filters) when ``widths`` lists the filters, with a global-average-pool
-head (``configs/model/vggb_convs.yaml``).
+head (``gradrepro/configs/model/vggb_convs.yaml``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """Objective choices: each turns a model into the trained network (``wrap``), computes the
-loss of a batch (``__call__``) and evaluates (``evaluate``)."""
+loss of a batch (``__call__``) and evaluates (``evaluate``), and declares the scalars it
+records (``TRAIN_SCALARS`` on logged steps, ``EVAL_SCALARS`` at evaluations), so that a
+signature's metric names are checked before training."""
 
 from __future__ import annotations
 
@@ -10,12 +12,15 @@ from gradrepro.objectives.classification import Classification, ClassificationCo
 from gradrepro.objectives.missing_grad import MissingGrad, MissingGradObjectiveConfig
 from gradrepro.objectives.simsiam import SimSiam, SimSiamConfig
 
-OBJECTIVE_SCHEMAS = {"classification": ClassificationConfig, "simsiam": SimSiamConfig,
-                     "missing_grad": MissingGradObjectiveConfig}
-_BUILDERS = {"classification": Classification, "simsiam": SimSiam, "missing_grad": MissingGrad}
+# objective=NAME -> (its config schema, the class built from that config): the one registry.
+OBJECTIVES = {
+    "classification": (ClassificationConfig, Classification),
+    "simsiam": (SimSiamConfig, SimSiam),
+    "missing_grad": (MissingGradObjectiveConfig, MissingGrad),
+}
 
-__all__ = ["LossOutput", "OBJECTIVE_SCHEMAS", "build_objective"]
+__all__ = ["LossOutput", "OBJECTIVES", "build_objective"]
 
 
 def build_objective(cfg: Any) -> Any:
-    return _BUILDERS[cfg.name](cfg)
+    return OBJECTIVES[cfg.name][1](cfg)

@@ -19,6 +19,9 @@ class ClassificationConfig:
 
 
 class Classification:
+    TRAIN_SCALARS = ("train_acc",)
+    EVAL_SCALARS = ("test_acc",)
+
     def __init__(self, cfg: ClassificationConfig) -> None:
         self.cfg = cfg
 

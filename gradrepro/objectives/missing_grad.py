@@ -31,7 +31,6 @@ from torch import nn
 from gradrepro.data import Batch, ImageData
 from gradrepro.diagnose import Report, check_derivative, diagnose, normalize_name, parameter_rows
 from gradrepro.objectives.base import LossOutput
-from gradrepro.signature import RunRecords, metric
 
 
 @dataclass
@@ -83,6 +82,10 @@ def copy_for_diagnosis(net: nn.Module, optimizer: torch.optim.Optimizer):
 
 
 class MissingGrad:
+    TRAIN_SCALARS = ()
+    EVAL_SCALARS = ("expected_found", "unexpected_findings", "findings_flagged", "report_ok",
+                    "update_matches", "update_rel_err_max", "subject_changed", "derivative_rel_err")
+
     def __init__(self, cfg: MissingGradObjectiveConfig) -> None:
         if cfg.mode not in ("train", "eval"):
             raise ValueError(f"objective.mode must be train or eval, not {cfg.mode!r}")
@@ -122,14 +125,3 @@ class MissingGrad:
             out["subject_changed"] = float(table.loc[table["name"] == subject, "changed"].iloc[0])
             out["derivative_rel_err"] = check_derivative(closure, report.tensors[subject], model=model)
         return out
-
-
-@metric("probe_state_frac")
-def probe_state_frac(records: RunRecords, window: int, name: str, state: str) -> float:
-    """Fraction of logged steps at which the probe recorded ``state`` for parameter ``name``."""
-    modules = records.modules
-    if modules.empty:
-        return math.nan
-    full = np.where(modules["module"] == "<root>", modules["param"], modules["module"] + "." + modules["param"])
-    rows = modules[full == name]
-    return float((rows["grad_state"] == state).mean()) if len(rows) else math.nan

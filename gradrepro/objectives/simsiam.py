@@ -27,7 +27,8 @@ class SimSiamConfig:
     # BN in the heads (Table 3): "all" is the paper's default (every projector fc, including
     # its output, and the predictor's hidden fc); "hidden" puts BN on hidden fcs only; "none"
     # removes it. At CPU scale "all" masks the collapse of z: BN re-standardises z in train
-    # mode (shared/PAPERS.md, SimSiam trial), so the experiments use "hidden".
+    # mode, so only the predictor's output can collapse (experiments/simsiam.md), and the
+    # experiments use "hidden" (Table 3: hidden-only BN, 67.4).
     head_bn: str = "hidden"
     projector_layers: int = 2  # 3 on ImageNet, 2 on CIFAR (App. D)
 
@@ -75,6 +76,9 @@ def output_std(z: torch.Tensor) -> torch.Tensor:
 
 
 class SimSiam:
+    TRAIN_SCALARS = ("z_std", "p_std")
+    EVAL_SCALARS = ("knn_acc",)
+
     def __init__(self, cfg: SimSiamConfig) -> None:
         self.cfg = cfg
 

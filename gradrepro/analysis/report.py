@@ -1,0 +1,301 @@
+"""``python -m gradrepro.report``: the reference reproduction table in ``results/README.md``.
+
+Runs every experiment (the list comes from ``gradrepro/configs/experiment/**.yaml``) at its default
+scale with 3 seeds, as one Hydra multirun on the joblib launcher, then writes:
+
+- ``results/README.md``: one row per published claim (each signature check of each
+  experiment, with the paper's reference beside it): the paper value, the measured value
+  (mean ± std over seeds), how many seeds passed the check, the experiment's verdict, and the
+  command that reproduces it; the claims and sources of each experiment; the measured time;
+- ``results/figures/<experiment>.png``: the experiment's runs beside its control's runs
+  (loss curves and per-module gradient norm; gradrepro.compare's ``--plot``).
+
+Everything the report shows comes from each experiment's config (``claim``, ``control``,
+``signature.checks[].paper``, ``paper``), so a new experiment needs no change here.
+``--experiments`` restricts the set (fnmatch patterns, controls are added); ``--quick``
+runs ``scale=tiny`` to check the pipeline in seconds (not a reference result);
+``--from-sweep DIR`` rewrites the report from an existing sweep without running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import os
+import platform
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import pandas as pd
+
+import gradrepro
+from gradrepro.analysis.compare import compare
+from gradrepro.analysis.compare_figure import plot_runs
+from gradrepro.analysis.tables import check_keys, for_reading
+from gradrepro.config.compose import compose, group_options_recursive
+from gradrepro.records.files import atomic_write
+from gradrepro.records.reader import Run
+
+# The folder that holds the gradrepro package: the sweep's processes import the same code.
+PACKAGE_PARENT = Path(gradrepro.__file__).resolve().parent.parent
+EXIT_FAILED = 1
+
+
+def select_experiments(patterns: Optional[Sequence[str]]) -> List[str]:
+    """Experiment names matching ``patterns`` (all when none), each one's control added."""
+    names = group_options_recursive("experiment")
+    if not patterns:
+        return names
+    chosen = [n for n in names if any(fnmatch.fnmatch(n, p) for p in patterns)]
+    if not chosen:
+        raise SystemExit(
+            f"gradrepro.report: error: no experiment matches {' '.join(patterns)}; "
+            f"choose from: {', '.join(names)}"
+        )
+    for name in list(chosen):  # an ablation's row needs its control beside it
+        control = _control_of(name)
+        if control and control in names and control not in chosen:
+            chosen.append(control)
+    return sorted(chosen)
+
+
+def _control_of(name: str) -> Optional[str]:
+    """The experiment's ``control``, from its composed config."""
+    return compose([f"experiment={name}"]).control
+
+
+def sweep_command(
+    experiments: Sequence[str], seeds: int, jobs: int, sweep_dir: Path, extra: Sequence[str] = ()
+) -> List[str]:
+    """The one multirun that produces every run of the report."""
+    return [
+        sys.executable,
+        "-m",
+        "gradrepro",
+        "-m",
+        f"experiment={','.join(experiments)}",
+        f"seed={','.join(str(s) for s in range(seeds))}",
+        "hydra/launcher=joblib",
+        f"hydra.launcher.n_jobs={jobs}",
+        f"hydra.sweep.dir={sweep_dir}",
+        *extra,
+    ]
+
+
+def _mean_std(values: pd.Series) -> str:
+    values = values.dropna()
+    if values.empty:
+        return "n/a"
+    if len(values) == 1:
+        return f"{values.iloc[0]:.4g}"
+    return f"{values.mean():.4g} ± {values.std():.2g}"
+
+
+def claims_table(
+    runs: Sequence[Run], runs_df: pd.DataFrame, extra: Sequence[str] = ()
+) -> pd.DataFrame:
+    """One row per (experiment, signature check)."""
+    rows = []
+    suffix = "".join(f" {o}" for o in extra)
+    for experiment, group in runs_df.groupby("experiment", sort=True):
+        done = group[group["complete"].astype(bool)]
+        run = runs[group.index[0]]
+        checks = run.summary.get("checks") or []
+        verdict = f"{int(done['reproduced'].astype(bool).sum())}/{len(done)} seeds"
+        if len(done) < len(group):
+            verdict += f" ({len(group) - len(done)} incomplete)"
+        passed = pd.DataFrame(
+            [  # seeds x checks: did each check hold?
+                dict(
+                    zip(
+                        check_keys(runs[i].summary.get("checks") or []),
+                        (bool(c.get("ok")) for c in runs[i].summary.get("checks") or []),
+                    )
+                )
+                for i in done.index
+            ]
+        )
+        for key, check in zip(check_keys(checks), checks):
+            ok = int(passed[key].fillna(False).astype(bool).sum()) if key in passed else 0
+            rows.append(
+                {
+                    "experiment": experiment,
+                    "check": f"{check.get('metric')} {check.get('op')} "
+                    f"{float(check.get('threshold')):.4g}",
+                    "paper": check.get("paper") or "",
+                    "measured (mean ± std)": _mean_std(done[key]) if key in done else "n/a",
+                    "check passed": f"{ok}/{len(done)}",
+                    "signature reproduced": verdict,
+                    "command": "`python -m gradrepro experiment="
+                    f"{run.overrides.get('experiment', experiment)}"
+                    f"{suffix}`",
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def _figures(runs: Sequence[Run], out_dir: Path, warnings: List[str]) -> Dict[str, Path]:
+    by_name: Dict[str, List[Run]] = {}
+    for run in runs:
+        by_name.setdefault(run.experiment, []).append(run)
+    paths = {}
+    for name, own in sorted(by_name.items()):
+        control = own[0].control
+        shown = own + (by_name.get(control, []) if control else [])
+        path = out_dir / "figures" / f"{name.replace('/', '__')}.png"
+        plot_runs(shown, path, warnings=warnings)
+        paths[name] = path
+    return paths
+
+
+def write_report(
+    runs: Sequence[Run],
+    runs_df: pd.DataFrame,
+    out_dir: Path,
+    header: str,
+    extra: Sequence[str] = (),
+    warnings: Optional[List[str]] = None,
+) -> Path:
+    """``out_dir/README.md`` and ``out_dir/figures/*.png`` from the loaded runs."""
+    warnings = warnings if warnings is not None else []
+    figures = _figures(runs, out_dir, warnings)
+    table = claims_table(runs, runs_df, extra)
+    lines = [header, "", table.to_markdown(index=False), "", "## Experiments", ""]
+    for name in sorted(figures):
+        run = next(r for r in runs if r.experiment == name)
+        paper = run.summary.get("paper") or {}
+        control = f" Control: `{run.control}`." if run.control else " This is a control."
+        lines += [f"### {name}", "", f"{run.summary.get('claim', '')}.{control}", ""]
+        lines += [f"- {k}: {v}" for k, v in paper.items()] + [""]
+        lines += [f"![{name}](figures/{figures[name].name})", ""]
+    lines += [
+        "## Per-experiment means",
+        "",
+        for_reading(_group_means(runs_df)).to_markdown(index=False),
+        "",
+    ]
+    if warnings:
+        lines += ["## Warnings", ""] + [f"- {w}" for w in warnings] + [""]
+    path = out_dir / "README.md"
+    atomic_write(path, lambda tmp: Path(tmp).write_text("\n".join(lines)))
+    return path
+
+
+def _group_means(runs_df: pd.DataFrame) -> pd.DataFrame:
+    done = runs_df[runs_df["complete"].astype(bool)]
+    stats = done.groupby("experiment")[["final_loss", "steps", "wall_s"]].agg(["mean", "std"])
+    stats.columns = [f"{c} {s}" for c, s in stats.columns]
+    return stats.reset_index()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m gradrepro.report", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--experiments",
+        nargs="+",
+        metavar="PATTERN",
+        help="only these experiments (fnmatch patterns; their controls are added)",
+    )
+    parser.add_argument(
+        "--seeds", type=int, default=3, help="seeds 0..N-1 per experiment (default 3)"
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="parallel joblib jobs (default: the number of CPU cores)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per run (default 1: jobs x threads should not exceed the cores; "
+        "parallel runs use small models better than parallel kernels)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="scale=tiny: checks the pipeline in seconds; NOT a reference result",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("results"), help="report folder (default results/)"
+    )
+    parser.add_argument(
+        "--sweep-dir", type=Path, help="where the runs go (default results/sweeps/report-TIME)"
+    )
+    parser.add_argument(
+        "--from-sweep", type=Path, help="write the report from this sweep; run nothing"
+    )
+    parser.add_argument(
+        "overrides", nargs="*", help="extra overrides for every run (e.g. threads=1)"
+    )
+    args = parser.parse_args(argv)
+    if min(args.seeds, args.jobs, args.threads) < 1:
+        parser.error("--seeds, --jobs and --threads must be >= 1")
+    extra = (["scale=tiny"] if args.quick else []) + list(args.overrides)
+    # Threads change speed, not the experiment: in the sweep, not in the reproduce command.
+    speed = [] if any(o.startswith("threads=") for o in extra) else [f"threads={args.threads}"]
+
+    started = time.perf_counter()
+    if args.from_sweep:
+        sweep_dir, experiments = args.from_sweep, None
+    else:
+        experiments = select_experiments(args.experiments)
+        stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+        sweep_dir = args.sweep_dir or Path("results") / "sweeps" / f"report-{stamp}"
+        command = sweep_command(experiments, args.seeds, args.jobs, sweep_dir, extra + speed)
+        print("gradrepro.report: running " + " ".join(command[1:]), file=sys.stderr)
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")])),
+        }
+        proc = subprocess.run(command, env=env)
+        if proc.returncode != 0:
+            print(
+                f"gradrepro.report: the sweep exited with {proc.returncode}; "
+                "writing the report from what it left",
+                file=sys.stderr,
+            )
+    tables, runs, warnings = compare([sweep_dir])
+    if not runs:
+        print(f"gradrepro.report: error: no readable runs in {sweep_dir}", file=sys.stderr)
+        return EXIT_FAILED
+    minutes = (time.perf_counter() - started) / 60
+    n_exp = tables["runs"]["experiment"].nunique()
+    header = "\n".join(
+        [
+            "# Reference results"
+            + (" (QUICK: scale=tiny, a pipeline check, not a reproduction)" if args.quick else ""),
+            "",
+            f"Generated by `python -m gradrepro.report{' --quick' if args.quick else ''}` on "
+            f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC: {n_exp} experiments x "
+            f"{args.seeds} seeds ({len(runs)} runs), joblib launcher with {args.jobs} jobs on "
+            f"{os.cpu_count()} CPU cores "
+            f"({platform.processor() or platform.machine()}); "
+            + (
+                f"total time {minutes:.1f} min."
+                if not args.from_sweep
+                else f"from the sweep {sweep_dir}."
+            ),
+            "",
+            "Measured values are the mean ± std over seeds of each check's observed value; "
+            "'check passed' counts the seeds where that check held; 'signature reproduced' counts "
+            "the seeds where every check of the experiment held. Paper values are references "
+            "from the cited papers (often at a far larger scale), never measured here.",
+        ]
+    )
+    path = write_report(runs, tables["runs"], Path(args.out), header, extra, warnings)
+    for line in warnings:
+        print(f"gradrepro.report: warning: {line}", file=sys.stderr)
+    print(f"gradrepro.report: wrote {path} ({len(runs)} runs, {minutes:.1f} min)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

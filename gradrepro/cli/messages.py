@@ -1,0 +1,109 @@
+"""Hydra's and OmegaConf's error messages turned into one line that names the key, the
+problem and the valid choices. Hydra says these things in prose; the regular expressions
+that read that prose live here and nowhere else."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Optional
+
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from gradrepro.config.compose import CONFIG_DIR, group_options_recursive
+from gradrepro.config.schema import Config
+from gradrepro.config.validate import did_you_mean, unknown_key_message
+from gradrepro.data import DATA
+from gradrepro.models import MODELS
+from gradrepro.objectives import OBJECTIVES
+
+
+def group_options(group: str) -> list[str]:
+    """The choices of a config group, from the running (or composing) Hydra."""
+    loader = GlobalHydra.instance().config_loader()
+    return sorted(o for o in loader.get_group_options(group) if not o.endswith("_schema"))
+
+
+def _schemas() -> dict[str, type]:
+    """Every config dataclass by class name (the name Hydra's messages use)."""
+    found: dict[str, type] = {}
+    todo = [Config, *(schema for registry in (MODELS, DATA, OBJECTIVES) for schema, _ in registry.values())]
+    while todo:
+        cls = todo.pop()
+        if cls.__name__ in found:
+            continue
+        found[cls.__name__] = cls
+        for f in dataclasses.fields(cls):
+            factory = f.default_factory
+            if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
+                todo.append(factory)
+    return found
+
+
+def explain(exc: BaseException, last_cfg: Optional[Any] = None) -> str:
+    """One line naming the problem and, where there are some, the valid choices.
+    ``last_cfg``: the config composed last, whose keys are listed for an unknown key."""
+    text = str(exc)
+    cause = exc.__cause__ or exc.__context__
+    missing = re.search(r"Could not find '([^']+)'", text)
+    if missing:
+        path = missing.group(1)
+        group, _, choice = path.rpartition("/")
+        if group:
+            local = CONFIG_DIR / group
+            options = group_options_recursive(group) if local.is_dir() else group_options(group)
+            return (f"unknown {group} {choice!r}{did_you_mean(choice, options)}; "
+                    f"valid choices: {', '.join(options)}")
+        return f"config {path!r} not found"
+    where = re.match(r"In '([^']+)'", text)
+    where = where.group(1) if where else ""
+    for err in (exc, cause):
+        if err is None:
+            continue
+        message = str(err)
+        if isinstance(err, ConfigKeyError) or "not in struct" in message or "Key '" in message:
+            key = re.search(r"Key '([^']+)'", message)
+            full_key = (getattr(err, "full_key", None)
+                        or (re.search(r"full_key: (\S+)", message) or [None, None])[1]
+                        or (key.group(1) if key else "?"))
+            valid = _valid_keys(err, message, full_key.rpartition(".")[0], last_cfg)
+            return unknown_key_message(full_key, valid, where)
+    for err in (exc, cause):
+        if isinstance(err, ValidationError):
+            full_key = getattr(err, "full_key", "") or "?"
+            first = str(err).splitlines()[0]
+            return f"{full_key}: {first}" + (f" (in {where})" if where else "")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first = lines[0] if lines else type(exc).__name__
+    if len(lines) > 1 and (first.startswith(("In '", "Error parsing override"))):
+        first = f"{first}: {lines[1]}"  # the second line says what is wrong
+    unset = re.match(r"Missing mandatory value: (\S+)", first)
+    if unset:
+        key = unset.group(1)
+        options = group_options(key) if "." not in key else []
+        listing = f"; choose one of: {', '.join(options)}" if options else ""
+        return f"{key} must be set (it is required and has no value){listing}"
+    return first
+
+
+def _valid_keys(err: BaseException, message: str, parent: str, last_cfg: Any) -> list[str]:
+    """The keys the schema allows where an unknown key was found."""
+    schema = getattr(err, "object_type", None)
+    if not dataclasses.is_dataclass(schema):
+        name = re.search(r"object_type=(\w+)", message) or re.search(r"not in '(\w+)'", message)
+        schema = _schemas().get(name.group(1)) if name else None
+    if dataclasses.is_dataclass(schema):
+        return sorted(f.name for f in dataclasses.fields(schema))
+    return _keys_at(parent, last_cfg)
+
+
+def _keys_at(parent: str, last_cfg: Any) -> list[str]:
+    """Keys that exist at ``parent`` in the last composed (or base) config."""
+    cfg = last_cfg if last_cfg is not None else OmegaConf.structured(Config)
+    try:
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        return sorted(str(k) for k in node.keys())
+    except Exception:  # noqa: BLE001 - a missing or non-dict parent: no listing
+        return []

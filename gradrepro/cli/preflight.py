@@ -1,0 +1,231 @@
+"""The preflight: before ``hydra.main`` runs anything, compose every config a command line
+asks for (each value of a sweep once), validate it, build its model on the CPU and check its
+output folder, so that bad input is one line and exit code 2, never a traceback after data
+have loaded. Also: ``glob(...)`` over experiment subfolders, and launchers from extras."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from pathlib import Path
+from typing import List, Sequence
+
+from hydra._internal.utils import get_args_parser
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Glob
+from omegaconf import DictConfig, OmegaConf
+
+from gradrepro.cli.messages import explain, group_options
+from gradrepro.config.compose import CONFIG_DIR, Compose, composer, group_options_recursive
+from gradrepro.config.validate import validate
+from gradrepro.errors import UserError
+from gradrepro.records.files import check_writable_path
+from gradrepro.train.build import build_untrained
+
+# The folder Hydra resolves a relative --config-path against: where the app is declared.
+APP_DIR = Path(__file__).resolve().parent
+
+
+def expand_globs(argv: Sequence[str], config_dir: Path = CONFIG_DIR) -> List[str]:
+    """``group=glob(...)`` -> ``group=a,b,sub/c``: Hydra's own glob lists only a group's top
+    folder, so experiments in subfolders would silently drop out of ``experiment=glob(*)``.
+    Hydra's fnmatch rules apply (``*`` also matches ``/``); ``exclude=`` is honoured."""
+    parser = OverridesParser.create()
+    out = []
+    for arg in argv:
+        if arg.startswith("-") or "glob(" not in arg:
+            out.append(arg)
+            continue
+        try:
+            override = parser.parse_override(arg)
+        except Exception as exc:
+            raise UserError(f"could not parse the override {arg!r}: {explain(exc)}") from None
+        group = override.key_or_group
+        if not isinstance(override.value(), Glob) or group.startswith("hydra") or not (
+            config_dir / group
+        ).is_dir():
+            out.append(arg)
+            continue
+        options = group_options_recursive(group, config_dir)
+        chosen = override.value().filter(options)
+        if not chosen:
+            raise UserError(f"{arg} matches no {group} config; valid choices: {', '.join(options)}")
+        out.append(f"{override.get_key_element()}={','.join(chosen)}")
+    return out
+
+
+# Launchers that come from an optional extra: a missing plugin is one line, not Hydra's report.
+_LAUNCHER_PLUGINS = {
+    "joblib": ("hydra_plugins.hydra_joblib_launcher", "sweep"),
+    "submitit_local": ("hydra_plugins.hydra_submitit_launcher", "sweep"),
+    "submitit_slurm": ("hydra_plugins.hydra_submitit_launcher", "sweep"),
+    "slurm": ("hydra_plugins.hydra_submitit_launcher", "sweep"),
+    "ray": ("hydra_plugins.hydra_ray_launcher", "ray"),
+}
+
+
+def check_launcher(argv: Sequence[str]) -> None:
+    """``hydra/launcher=X`` whose plugin is not installed: a UserError naming the extra."""
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+") == "hydra/launcher" and value in _LAUNCHER_PLUGINS:
+            module, extra = _LAUNCHER_PLUGINS[value]
+            if importlib.util.find_spec(module) is None:
+                raise UserError(f"hydra/launcher={value} needs {module.split('.')[1]}: "
+                                f"pip install -e '.[{extra}]'")
+
+
+def _sweep_variants(overrides: list[str]) -> list[list[str]]:
+    """Override lists to compose: each sweep value once, the other sweeps at their first value."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    base, sweeps = [], []
+    for raw, o in zip(overrides, parsed):
+        if o.is_sweep_override():
+            if isinstance(o.value(), Glob):  # glob(...) over a config group's choices
+                values = o.value().filter(group_options(o.get_key_element().lstrip("+~")))
+            else:
+                values = list(o.sweep_string_iterator())
+            sweeps.append((o, values))
+        else:
+            base.append(raw)
+    if not sweeps:
+        return [base]
+    firsts = [f"{o.get_key_element()}={vals[0]}" for o, vals in sweeps if vals]
+    variants = []
+    for i, (o, values) in enumerate(sweeps):
+        others = [f for j, f in enumerate(firsts) if j != i]
+        for v in values:
+            variants.append(base + others + [f"{o.get_key_element()}={v}"])
+    return variants
+
+
+def parse_argv(argv: Sequence[str]) -> argparse.Namespace | None:
+    """Hydra's own reading of the command line; None where Hydra must answer (usage errors,
+    ``--version``): it prints those itself."""
+    if "--version" in argv:
+        return None
+    parser = get_args_parser()
+    parser.exit_on_error = False
+    try:
+        args, unknown = parser.parse_known_args(list(argv))
+    except (argparse.ArgumentError, SystemExit):
+        return None
+    return None if unknown else args
+
+
+def _searchpath_override(overrides: list[str], config_dir: str | None) -> list[str]:
+    """``--config-dir DIR`` as the compose API understands it: a search-path entry."""
+    if not config_dir:
+        return overrides
+    entry = "file://" + os.path.abspath(config_dir)
+    for i, o in enumerate(overrides):
+        if o.startswith("hydra.searchpath="):
+            items = o.split("=", 1)[1].strip().strip("[]")
+            overrides = list(overrides)
+            overrides[i] = f"hydra.searchpath=[{entry}{',' + items if items else ''}]"
+            return overrides
+    return [*overrides, f"hydra.searchpath=[{entry}]"]
+
+
+def _config_dir(config_path: str | None) -> Path:
+    if not config_path:
+        return CONFIG_DIR
+    path = Path(config_path)  # Hydra: absolute, or relative to the file that declares main
+    return path if path.is_absolute() else (APP_DIR / path).resolve()
+
+
+def check(argv: Sequence[str]) -> None:
+    """Compose and validate the config(s) that ``argv`` asks for; raise UserError if bad."""
+    args = parse_argv(argv)
+    if args is None:
+        raise UserError(f"could not read the command line {' '.join(argv)!r}; see --help")
+    overrides = _searchpath_override(list(args.overrides), args.config_dir)
+    config_name = args.config_name or "config"
+    config_dir = _config_dir(args.config_path)
+    if not config_dir.is_dir():
+        raise UserError(f"--config-path {str(config_dir)!r} is not a folder")
+    with composer(config_dir) as compose:
+        try:
+            variants = _sweep_variants(overrides)
+        except Exception as exc:  # noqa: BLE001 - Hydra raises many types
+            raise UserError(f"could not parse the overrides: {explain(exc)}") from None
+        if len(variants) > 1 and not args.multirun:
+            raise UserError(
+                "a sweep (a,b or range(...)) needs -m (--multirun); without it Hydra runs nothing")
+        last_cfg = None
+        for variant in variants:
+            try:
+                cfg = compose(variant, config_name=config_name)
+                last_cfg = cfg
+                # Interpolation errors and required values left unset surface here.
+                OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+            except Exception as exc:  # noqa: BLE001 - Hydra raises many types
+                raise UserError(explain(exc, last_cfg)) from None
+            try:
+                validate(cfg)
+                check_buildable(cfg)
+            except UserError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a value the checks could not even compare
+                raise UserError(explain(exc, last_cfg)) from None
+            check_output_dir(compose, config_name, variant, args.multirun)
+
+
+_built: set = set()
+
+
+def check_buildable(cfg: DictConfig) -> None:
+    """Build the objective, model and optimizer once on the CPU (no data, no training), so a
+    value that only the model's own code rejects (a zero width, say) is one line here."""
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    key = repr([plain[k] for k in ("model", "objective", "init", "optim", "train")])
+    if key in _built:  # a sweep over seeds or data builds each distinct model once
+        return
+    try:
+        build_untrained(cfg)
+        _built.add(key)
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any error here is a config the code rejects
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if isinstance(exc, KeyError) and exc.args:  # a lookup table without that entry
+            keys = _keys_holding(cfg, exc.args[0])
+            first = (f"{keys[0]}={exc.args[0]!r} is not a value the code knows" if keys
+                     else f"unknown value {exc.args[0]!r}")
+        raise UserError(f"the model, objective or optimizer cannot be built from this config: "
+                        f"{first}") from None
+
+
+def _keys_holding(cfg, value) -> list[str]:
+    """The config keys whose value is ``value`` (to name the key behind a failed lookup)."""
+    flat = []
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{prefix[:-1]}[{i}].")
+        elif node == value:
+            flat.append(prefix[:-1])
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return flat
+
+
+def check_output_dir(compose: Compose, config_name: str, overrides: list[str], multirun: bool) -> None:
+    """The run (or sweep) folder must be creatable and writable before any training starts.
+
+    Checks ``hydra.run.dir`` (``hydra.sweep.dir`` with -m). Where that path names values
+    Hydra fills only at run time (``hydra.job.*``), the runner checks the folder instead.
+    """
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    try:
+        hydra_cfg = compose(overrides, config_name=config_name, return_hydra_config=True)
+        path = OmegaConf.select(hydra_cfg, key)
+    except Exception:  # noqa: BLE001 - runtime-only interpolations: left to the runner
+        return
+    if path:
+        check_writable_path(Path(str(path)), key)

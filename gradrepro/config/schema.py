@@ -1,0 +1,193 @@
+"""Config schemas, registered in Hydra's ConfigStore so that a misspelt key fails at compose time
+(Hydra docs, "Structured Configs" tutorial 5.1: a schema listed first in the defaults list).
+
+Groups whose choices share one shape (optim, init, precision, probe, train, eval) have one
+dataclass each. Groups whose choices differ in shape (model, data, objective) are typed
+per choice: each choice's YAML lists its schema (``defaults: [mlp_schema]``), and the
+schema lives beside the code that builds it (``MODELS``, ``DATA``, ``OBJECTIVES``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from gradrepro.config.resolvers import register_resolvers
+from gradrepro.data import DATA
+from gradrepro.models import MODELS
+from gradrepro.objectives import OBJECTIVES
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    # False: the loop never calls optimizer.zero_grad(), so .grad becomes a running sum of
+    # every backward (torch.Tensor.backward docs: gradients accumulate in the leaves).
+    zero_grad: bool = True
+    grad_clip: Optional[float] = None
+    # Modules (name prefixes) whose parameters are frozen: requires_grad=False and left out
+    # of the optimizer (SimSiam Table 1b freezes the predictor at its random init).
+    freeze: List[str] = field(default_factory=list)
+    # Mode policy: modules (name prefixes) held in eval mode while the rest trains, e.g. the
+    # BatchNorm layers of a frozen backbone, so their running statistics stop moving.
+    eval_modules: List[str] = field(default_factory=list)
+
+
+@dataclass
+class ModePassConfig:
+    """A diagnostic pass (loss, gradients, per-module statistics) on the held-out set after
+    training, taken with the network in ``mode`` and compared with the eval-mode function
+    the model deploys (gradrepro/measure/mode_pass.py; BatchNorm's two functions)."""
+
+    mode: Optional[str] = None  # null: no mode pass | eval | train
+    batch_size: int = 128
+    # Extra passes at these batch sizes; batch statistics over 1 or 2 examples are the worst
+    # case in train mode (a batch of 1 raises ValueError there, recorded as a result).
+    small_batches: List[int] = field(default_factory=lambda: [2, 1])
+
+
+@dataclass
+class EvalConfig:
+    every: int = 100  # steps between evaluations; evaluation also runs before step 0 and at the end
+    knn_k: int = 20
+    mode_pass: ModePassConfig = field(default_factory=ModePassConfig)
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"  # sgd | adam | adamw
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    schedule: str = "constant"  # constant | cosine
+
+
+@dataclass
+class InitConfig:
+    # default: PyTorch's own init. kaiming: N(0, 2/fan_in) (He et al. 2015, Eq. 10).
+    # xavier: N(0, 1/fan_in) ("Xavier" as He et al. compare it). normal: N(0, std^2).
+    # glorot_standard: U[-1/sqrt(fan_in), +]; glorot_normalized: U[-sqrt(6/(fan_in+fan_out)), +]
+    # (Glorot & Bengio 2010, Eqs. 1 and 16).
+    scheme: str = "default"
+    std: float = 0.01
+    # n of kaiming/xavier: fan_in (He et al. Eq. 10, forward) or fan_out (Eq. 14, backward).
+    mode: str = "fan_in"
+    # Also measure, at init and on the same first batch, the network this scheme gives (the
+    # weights the control's run draws for this seed); its per-layer statistics become the
+    # run's constants ``reference/<param>/<column>`` (gradrepro/measure/init_reference.py).
+    reference: Optional[str] = None
+
+
+@dataclass
+class PrecisionConfig:
+    # fp32 | fp16 (torch.autocast, fp32 master weights) | fp16_emulated (fp32 arithmetic,
+    # every activation and weight gradient rounded to fp16): see gradrepro/train/precision.py.
+    mode: str = "fp32"
+    # A number for a static loss scale, or "dynamic" for GradScaler's defaults.
+    loss_scale: Any = 1.0
+    # c: loss x c before backward, weight gradients / c in fp32 after it. A power of two,
+    # so fp32 training is bit-identical; it moves the gradient histogram by log2(c) octaves.
+    loss_shift: float = 1.0
+
+
+@dataclass
+class ProbeConfig:
+    every: int = 10  # log every N steps (and the last step)
+    activations: bool = True  # forward/backward hook statistics per module
+    # Examples of each batch whose activations and activation gradients the hooks summarise.
+    # Their passes are the probe's largest cost (benchmarks/README.md); 8 examples still give
+    # >= 80 values a module (a 10-way output) and 131 K at resnet18's first conv.
+    # Experiments whose verdict reads these columns set their own (precision 128, glorot 64).
+    act_sample: int = 8
+    # "tiny": grad/param ratio at least this many times below the model's median ratio.
+    tiny_factor: float = 1e4
+    # Per loss term, the gradient norm each term alone sends to each parameter.
+    task_contribution: bool = True
+    # Per module, counts of log2|activation gradient| from 2^-40 to 2^0 plus an exact-zero
+    # bin (gradrepro.probe.kernels.HIST_COLUMNS), as columns of modules.parquet. Off by default (43 columns).
+    act_grad_hist: bool = False
+    # For the first N steps the probe logs every step and rebuilds the running sum of the
+    # fresh gradients, to check what the optimizer stepped with (a forgotten zero_grad).
+    running_sum_steps: int = 0
+    # Per-example statistics of linear layers (Glorot & Bengio's histograms are per example):
+    # pe_act_grad_var, the variance of dloss_i/d(output), and pe_grad_var, of dloss_i/dW.
+    per_example: bool = False
+
+
+@dataclass
+class LoggerConfig:
+    # none | tensorboard: also write scalars and per-module gradient norms and magnitude
+    # histograms to a TensorBoard event folder inside the run directory (records/tensorboard.py).
+    name: str = "none"
+    folder: str = "tensorboard"
+    histograms: bool = True
+
+
+
+@dataclass
+class CheckConfig:
+    metric: str = MISSING
+    op: str = MISSING  # <=, <, >=, >
+    threshold: float = MISSING
+    params: Dict[str, Any] = field(default_factory=dict)
+    paper: Optional[str] = None  # the published reference shown beside this check
+
+
+@dataclass
+class SignatureConfig:
+    window: int = 3  # checks on scalars use the mean over the last `window` logged points
+    checks: List[CheckConfig] = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    name: str = "unnamed"  # the experiment's name, set by each experiment file
+    control: Optional[str] = None  # the experiment this one is compared to
+    claim: str = ""  # one line: what the run should show
+    citation: str = ""  # where the claim comes from, short: "Chen & He 2021, Sec. 4.1, Fig. 2"
+    page: Optional[str] = None  # the experiment's page: experiments/NAME.md
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    # Torch CPU threads. Tiny models run far faster on 1 thread (benchmarks/README.md); conv
+    # experiments set their own measured value.
+    threads: int = 1
+    key_scalar: Optional[str] = None  # shown in the progress bar and the figure
+    model: Any = MISSING
+    data: Any = MISSING
+    objective: Any = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    init: InitConfig = field(default_factory=InitConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    signature: SignatureConfig = field(default_factory=SignatureConfig)
+    # Reference runs, name -> experiment: run after this one with the same seed, scale,
+    # device and step budget, into run_dir/references/NAME, for checks ``relative_to`` NAME.
+    references: Dict[str, str] = field(default_factory=dict)
+    paper: Dict[str, Any] = field(default_factory=dict)
+
+
+# --- ${calc:...}: thresholds written as the paper states them, e.g. "0.2 / sqrt(d)" -------
+
+
+_registered = False
+
+
+def register_configs() -> None:
+    """Register the resolvers and every schema with Hydra's ConfigStore (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    register_resolvers()
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=Config)
+    for group, choices in (("model", MODELS), ("data", DATA), ("objective", OBJECTIVES)):
+        for name, (schema, _) in choices.items():
+            store.store(group=group, name=f"{name}_schema", node=schema)
+    _registered = True

@@ -1,0 +1,195 @@
+"""Checks a composed config before any run starts: keys the schema does not declare, ranges,
+choices, what this machine offers, and a signature's metric names. Each failure is one
+``UserError`` line naming the key, the problem and the valid choices."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import math
+import os
+from typing import Any, List, Sequence, Set
+
+import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from gradrepro.data.cifar10 import check_cifar10_root
+from gradrepro.errors import UserError
+from gradrepro.measure import frozen_audit, init_reference, mode_pass
+from gradrepro.objectives import OBJECTIVES
+from gradrepro.records import LOGGERS, tensorboard_available
+from gradrepro.records.run import RUN_SCALARS
+from gradrepro.signature import METRICS, OPS
+from gradrepro.train.init import INIT_MODES, INIT_SCHEMES
+from gradrepro.train.optim import OPTIMIZERS, SCHEDULES
+from gradrepro.train.precision import PRECISION_MODES, is_power_of_two
+
+
+def did_you_mean(word: str, options: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1)
+    return f" (did you mean {close[0]!r}?)" if close and close[0] != word else ""
+
+
+def unknown_key_message(key: str, valid: Sequence[str], where: str = "", note: str = "") -> str:
+    """``unknown config key 'a.b' in X (did you mean ...); valid keys under a: ...``."""
+    parent, _, leaf = key.rpartition(".")
+    location = (f" in {where}" if where else "") + (f" ({note})" if note else "")
+    hint = did_you_mean(leaf, valid) if valid else ""
+    listing = (f"; valid keys{' under ' + parent if parent else ''}: {', '.join(valid)}"
+               if valid else "")
+    return f"unknown config key {key!r}{location}{hint}{listing}"
+
+
+def undeclared_keys(cfg: Any, prefix: str = "") -> list[tuple]:
+    """(key, valid keys) for every key that its schema does not declare.
+
+    Hydra's ``+key=value`` adds a key even to a typed (structured) node; such a key would be
+    silently ignored by the code, so a misspelt ``+optim.lrr=0.1`` is caught here instead.
+    Free-form nodes (``paper``, a check's ``params``) accept any key.
+    """
+    found = []
+    if isinstance(cfg, DictConfig):
+        schema = OmegaConf.get_type(cfg)
+        if dataclasses.is_dataclass(schema):
+            declared = {f.name for f in dataclasses.fields(schema)}
+            found += [(f"{prefix}{k}", sorted(declared)) for k in cfg if k not in declared]
+        for k in cfg:
+            if not OmegaConf.is_missing(cfg, k) and not OmegaConf.is_interpolation(cfg, k):
+                found += undeclared_keys(cfg[k], f"{prefix}{k}.")
+    elif isinstance(cfg, ListConfig):
+        for i in range(len(cfg)):
+            if not OmegaConf.is_missing(cfg, i) and not OmegaConf.is_interpolation(cfg, i):
+                found += undeclared_keys(cfg[i], f"{prefix[:-1]}[{i}].")
+    return found
+
+
+def validate(cfg: Any) -> None:
+    """Range, choice, availability and signature checks the schema's types cannot express.
+    Raises UserError."""
+    for key, valid in undeclared_keys(cfg)[:1]:
+        raise UserError(unknown_key_message(key, valid, note="added with '+'"))
+    _check_ranges(cfg)
+    _check_choices(cfg)
+    _check_machine(cfg)
+    _check_signature(cfg)
+
+
+def _choice(key: str, value: Any, valid: Any) -> None:
+    if value not in valid:
+        raise UserError(f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, valid))}")
+
+
+def _positive(key: str, value: Any, allow_zero: bool = False) -> None:
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise UserError(f"{key}={value} must be a finite number {'>= 0' if allow_zero else '> 0'}")
+
+
+def _unit(key: str, value: float) -> None:  # torch's optimizers reject values outside [0, 1)
+    if not (math.isfinite(value) and 0 <= value < 1):
+        raise UserError(f"{key}={value} must be >= 0 and < 1")
+
+
+def _check_ranges(cfg: Any) -> None:
+    _positive("train.steps", cfg.train.steps, allow_zero=True)
+    _positive("optim.lr", cfg.optim.lr, allow_zero=cfg.train.steps == 0)
+    if not 0 <= cfg.seed < 2**32:  # numpy's seed range
+        raise UserError(f"seed={cfg.seed} must be >= 0 and < 2**32")
+    _positive("optim.momentum", cfg.optim.momentum, allow_zero=True)
+    _positive("optim.weight_decay", cfg.optim.weight_decay, allow_zero=True)
+    if len(cfg.optim.betas) != 2:
+        raise UserError(f"optim.betas={list(cfg.optim.betas)} must be two numbers, e.g. [0.9,0.999]")
+    for i, beta in enumerate(cfg.optim.betas):
+        _unit(f"optim.betas[{i}]", beta)
+    if cfg.train.grad_clip is not None:
+        _positive("train.grad_clip", cfg.train.grad_clip)
+    for key, allow_zero in (("init.std", True), ("probe.every", False), ("probe.act_sample", False),
+                            ("probe.tiny_factor", False), ("eval.every", True), ("eval.knn_k", False),
+                            ("threads", False), ("data.batch_size", False), ("data.n_train", False),
+                            ("data.n_test", False), ("signature.window", False),
+                            ("probe.running_sum_steps", True)):
+        _positive(key, OmegaConf.select(cfg, key), allow_zero=allow_zero)
+    if cfg.eval.mode_pass.mode is not None:
+        _choice("eval.mode_pass.mode", cfg.eval.mode_pass.mode, ("eval", "train"))
+        _positive("eval.mode_pass.batch_size", cfg.eval.mode_pass.batch_size)
+        for size in cfg.eval.mode_pass.small_batches:
+            _positive("eval.mode_pass.small_batches[]", size)
+    if str(cfg.precision.loss_scale) != "dynamic":
+        try:
+            scale = float(cfg.precision.loss_scale)
+        except (TypeError, ValueError):
+            raise UserError(
+                f"precision.loss_scale={cfg.precision.loss_scale!r} must be a number > 0 or 'dynamic'"
+            ) from None
+        _positive("precision.loss_scale", scale)
+    if not is_power_of_two(cfg.precision.loss_shift):
+        raise UserError(
+            f"precision.loss_shift={cfg.precision.loss_shift} must be a power of two (e.g. 2^-16 = "
+            "1.52587890625e-05) so that it leaves fp32 training bit-identical"
+        )
+
+
+def _check_choices(cfg: Any) -> None:
+    _choice("optim.name", cfg.optim.name, OPTIMIZERS)
+    _choice("optim.schedule", cfg.optim.schedule, SCHEDULES)
+    _choice("init.scheme", cfg.init.scheme, INIT_SCHEMES)
+    _choice("init.mode", cfg.init.mode, INIT_MODES)
+    if cfg.init.reference is not None:
+        _choice("init.reference", cfg.init.reference, INIT_SCHEMES)
+    _choice("precision.mode", cfg.precision.mode, PRECISION_MODES)
+    _choice("device", cfg.device, ("auto", "cpu", "cuda"))
+    _choice("logger.name", cfg.logger.name, LOGGERS)
+    for i, check in enumerate(cfg.signature.checks):
+        _choice(f"signature.checks[{i}].op", check.op, tuple(OPS))
+
+
+def _check_machine(cfg: Any) -> None:
+    """What this machine must offer: a GPU, an optional package, a local data folder."""
+    if cfg.logger.name == "tensorboard" and not tensorboard_available():
+        raise UserError("logger=tensorboard needs the tensorboard package: pip install -e '.[tensorboard]'")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("device=cuda but no CUDA GPU is available here; use device=cpu or device=auto")
+    if cfg.data.name == "cifar10":
+        check_cifar10_root(os.path.expanduser(cfg.data.root))
+
+
+def produced_names(cfg: Any) -> Set[str]:
+    """Every name a check may read from this run's records, known from the config alone:
+    derived metrics, scalars (the loop's, the objective's, its evaluations), and constants
+    (evaluations at init, and what each measurement this config switches on records), as
+    names and fnmatch patterns."""
+    objective = OBJECTIVES[cfg.objective.name][1]
+    names = set(METRICS) | set(RUN_SCALARS) | set(objective.TRAIN_SCALARS) | set(objective.EVAL_SCALARS)
+    names |= {f"{k}_init" for k in objective.EVAL_SCALARS}
+    if cfg.init.reference is not None:
+        names |= set(init_reference.PRODUCES)
+    if cfg.train.freeze:
+        names |= set(frozen_audit.PRODUCES)
+    if cfg.eval.mode_pass.mode is not None:
+        names |= set(mode_pass.PRODUCES)
+    return names
+
+
+def _check_signature(cfg: Any) -> None:
+    """A check must read something the run records, and compare with a reference it makes."""
+    produced = produced_names(cfg)
+    literal = sorted(n for n in produced if not any(c in n for c in "*?["))
+    references = list(cfg.references)
+    for i, check in enumerate(cfg.signature.checks):
+        params = check.get("params") or {}
+        name = check.metric if check.metric in METRICS else params.get("column", check.metric)
+        if not any(fnmatch.fnmatchcase(str(name), n) for n in produced):
+            close = difflib.get_close_matches(str(name), literal, n=3)
+            raise UserError(
+                f"signature.checks[{i}].metric={name!r} is recorded by nothing in this run"
+                + (f" (did you mean {', '.join(map(repr, close))}?)" if close else "")
+                + f"; known names: {', '.join(literal)}")
+        for key in ("relative_to", "closer_to", "than"):
+            ref = params.get(key)
+            if ref is not None and ref not in references:
+                raise UserError(
+                    f"signature.checks[{i}].params.{key}={ref!r} names no reference run; "
+                    f"this experiment's references: {', '.join(references) or 'none'}")
+
+
+__all__: List[str] = ["did_you_mean", "produced_names", "undeclared_keys", "unknown_key_message", "validate"]

@@ -1,0 +1,28 @@
+"""The one record type: what a run recorded, in memory (the runner, before writing) or read
+back from a run folder (``records.reader.read_run(path).records()``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict
+
+import pandas as pd
+
+# The columns of scalars.parquet every run records on its logged steps (the training loop);
+# objectives add their own (``TRAIN_SCALARS``, ``EVAL_SCALARS``).
+RUN_SCALARS = ("step", "loss", "lr", "loss_scale", "skipped_steps", "grad_norm", "fresh_grad_norm")
+
+
+@dataclass
+class RunRecords:
+    scalars: pd.DataFrame  # scalars.parquet: one row per logged step
+    modules: pd.DataFrame  # modules.parquet: one row per (logged step, parameter tensor)
+    constants: Dict[str, float] = field(default_factory=dict)  # summary.json "constants"
+    # Records of the reference runs this run made (config ``references``), by name.
+    references: Dict[str, "RunRecords"] = field(default_factory=dict)
+
+
+def reference_constant(param: str, column: str) -> str:
+    """The constant under which the init reference (measure/init_reference.py) records one
+    parameter's statistic: ``reference/<module>.<param>/<column>``."""
+    return f"reference/{param}/{column}"

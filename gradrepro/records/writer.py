@@ -1,0 +1,59 @@
+"""A run's records while it trains: kept in memory, written to the run folder atomically
+(``files.atomic_write``) on a flush."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+import pandas as pd
+
+from gradrepro.records.files import MODULES, SCALARS, atomic_write
+
+
+class Records:
+    """Scalars (one row per logged step) and module rows (one per logged step x tensor)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.scalar_rows: List[Dict[str, float]] = []
+        self.module_blocks: List[Dict[str, np.ndarray]] = []
+
+    def add_scalars(self, row: Dict[str, float]) -> None:
+        self.scalar_rows.append(row)
+
+    def add_modules(self, columns: Dict[str, np.ndarray]) -> None:
+        self.module_blocks.append(columns)
+
+    def scalars(self) -> pd.DataFrame:
+        df = pd.DataFrame(self.scalar_rows)
+        if df.empty:
+            return pd.DataFrame({"step": pd.Series(dtype="int64"), "loss": pd.Series(dtype="float64")})
+        # Training and evaluation may both log a step: one row per step, first value wins.
+        return df.groupby("step", sort=True).first().reset_index()
+
+    def modules(self) -> pd.DataFrame:
+        if not self.module_blocks:
+            return pd.DataFrame({"step": pd.Series(dtype="int64"), "module": pd.Series(dtype="object")})
+        keys = list(self.module_blocks[0])
+        for block in self.module_blocks[1:]:
+            keys += [k for k in block if k not in keys]
+        columns = {}
+        for key in keys:
+            parts = []
+            for block in self.module_blocks:
+                n = len(block["step"])
+                parts.append(block[key] if key in block else np.full(n, np.nan))
+            columns[key] = np.concatenate(parts)
+        return pd.DataFrame(columns)
+
+    def close(self) -> None:
+        """Release whatever a subclass holds open (a logger's writer); the files stay."""
+
+    def flush(self) -> None:
+        """Write both Parquet files (atomically); safe to call at any time."""
+        scalars, modules = self.scalars(), self.modules()
+        atomic_write(self.run_dir / SCALARS, lambda tmp: scalars.to_parquet(tmp, index=False))
+        atomic_write(self.run_dir / MODULES, lambda tmp: modules.to_parquet(tmp, index=False))
+

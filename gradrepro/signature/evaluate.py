@@ -1,0 +1,146 @@
+"""Verdicts: a signature's checks on a run's own records, as a pure function of them.
+
+An experiment's config carries ``signature.checks``: each names a metric, an operator and
+a threshold. With ``params.relative_to: NAME`` a check compares the metric with the same
+metric on a reference run (config ``references``: runs of other experiments that this run
+makes itself, same seed, so the verdict still depends only on what this run recorded).
+A metric is, in this order: a registered function of the records (``registry.METRICS``), a
+column of ``scalars.parquet`` reduced over the last ``window`` logged values (or as
+``params.reduce`` says), or a constant the run recorded once (``summary.constants``).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+import pandas as pd
+
+import gradrepro.signature.metrics  # noqa: F401 - every family registers its metrics
+from gradrepro.records.run import RunRecords
+from gradrepro.signature.registry import METRICS
+
+OPS: Dict[str, Callable[[float, float], bool]] = {
+    "<=": operator.le,
+    "<": operator.lt,
+    ">=": operator.ge,
+    ">": operator.gt,
+}
+
+
+@dataclass
+class CheckResult:
+    metric: str
+    observed: float
+    op: str
+    threshold: float
+    ok: bool
+    paper: Optional[str] = None
+    note: str = ""
+    params: Dict[str, Any] = field(default_factory=dict)  # how the metric was read
+
+
+@dataclass
+class Verdict:
+    reproduced: bool
+    checks: List[CheckResult]
+
+    def as_dicts(self) -> List[Dict[str, Any]]:
+        return [asdict(c) for c in self.checks]
+
+
+def reduce_series(values: pd.Series, how: str, window: int) -> float:
+    """Reduce a logged scalar: ``last`` (mean of the last ``window`` values), ``first``,
+    ``min``, ``max``, or ``change`` (last minus first)."""
+    values = values.dropna()
+    if values.empty:
+        return math.nan
+    if how == "last":
+        return float(values.iloc[-window:].mean())
+    if how == "first":
+        return float(values.iloc[0])
+    if how == "min":
+        return float(values.min())
+    if how == "max":
+        return float(values.max())
+    if how == "change":
+        return float(values.iloc[-window:].mean() - values.iloc[0])
+    raise ValueError(f"unknown reduce {how!r}: choose last, first, min, max or change")
+
+
+def observe(name: str, records: RunRecords, window: int, params: Dict[str, Any]) -> float:
+    params = dict(params)
+    window = int(params.pop("window", window))
+    reference = params.pop("relative_to", None)
+    if reference is not None:
+        # The same metric on a reference run's records (e.g. the fp32 control), combined:
+        # "final loss at least 2x fp32's" is loss / loss[fp32] >= 2.
+        how = params.pop("how", "ratio")
+        if reference not in records.references:
+            raise KeyError(f"reference run {reference!r} not recorded")
+        own = observe(name, records, window, params)
+        ref = observe(name, records.references[reference], window, params)
+        if how == "ratio":
+            return own / ref if ref != 0 else math.nan
+        if how == "difference":
+            return own - ref
+        if how == "relative_difference":
+            return abs(own - ref) / abs(ref) if ref != 0 else math.nan
+        raise ValueError(f"unknown how {how!r}: choose ratio, difference or relative_difference")
+    if name in METRICS:
+        return float(METRICS[name](records, window=window, **params))
+    column = params.pop("column", name)
+    if column in records.scalars.columns:
+        value = reduce_series(records.scalars[column], params.pop("reduce", "last"), window)
+        return value * float(params.pop("scale", 1.0))
+    if column in records.constants:
+        return float(records.constants[column])
+    return math.nan
+
+
+def metric_ratio(numerator: RunRecords, denominator: RunRecords, metric: str,
+                 window: int = 3, **params) -> float:
+    """One signature metric observed on two runs, as a ratio (e.g. steps to a target)."""
+    top = observe(metric, numerator, window, params)
+    bottom = observe(metric, denominator, window, params)
+    return top / bottom if bottom else math.nan
+
+
+def evaluate(signature: Any, records: RunRecords) -> Verdict:
+    """Run every check of ``signature`` (a config node or dict) on ``records``."""
+    window = int(signature["window"]) if "window" in signature else 3
+    results: List[CheckResult] = []
+    for check in signature["checks"]:
+        params = dict(check.get("params") or {})
+        op = check["op"]
+        threshold = float(check["threshold"])
+        try:
+            observed = observe(check["metric"], records, window, params)
+            note = "" if np.isfinite(observed) else "not recorded or not finite"
+        except (KeyError, ValueError, ArithmeticError) as exc:  # a verdict never costs the records
+            observed, note = math.nan, str(exc)
+        ok = bool(np.isfinite(observed) and OPS[op](observed, threshold))
+        results.append(CheckResult(check["metric"], observed, op, threshold, ok, check.get("paper"),
+                                   note, dict(check.get("params") or {})))
+    return Verdict(reproduced=bool(results) and all(r.ok for r in results), checks=results)
+
+
+def format_verdict(verdict: Verdict, name: str) -> str:
+    """The short table printed at the end of a run."""
+    rows = [
+        {
+            "metric": c.metric,
+            "observed": f"{c.observed:.4g}" if np.isfinite(c.observed) else "n/a",
+            "check": f"{c.op} {c.threshold:.4g}",
+            "paper": c.paper or "",
+            "ok": "yes" if c.ok else "NO",
+        }
+        for c in verdict.checks
+    ]
+    table = pd.DataFrame(rows).to_string(index=False) if rows else "(no checks)"
+    head = f"{name}: signature {'REPRODUCED' if verdict.reproduced else 'not reproduced'}"
+    return f"{head}\n{table}"
+

@@ -1,0 +1,116 @@
+"""One build of what a run trains: data, objective, network (model + init), frozen modules,
+optimizer and schedule, mode policy, precision and probe.
+
+The same functions serve the run (``build_training``), the preflight that checks a config
+before any run starts (``build_untrained``: no data, on the CPU) and the init reference
+(``build_network`` with another scheme), so the three cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List
+
+import torch
+from torch import nn
+
+from gradrepro.data import ImageData, build_data
+from gradrepro.errors import UserError
+from gradrepro.models import build_model
+from gradrepro.objectives import build_objective
+from gradrepro.probe import Probe
+from gradrepro.train.init import initialize
+from gradrepro.train.mode_policy import hold_eval, modes_kept
+from gradrepro.train.optim import build_optimizer, freeze
+from gradrepro.train.precision import Precision
+
+
+def build_network(cfg: Any, objective: Any, scheme: str | None = None) -> nn.Module:
+    """The model wrapped by the objective (SimSiam's heads), initialised by ``init.scheme``
+    (or ``scheme``) with ``init.std`` and ``init.mode``."""
+    net = objective.wrap(build_model(cfg.model))
+    initialize(net, scheme or cfg.init.scheme, cfg.init.std, cfg.init.mode)
+    return net
+
+
+@dataclass
+class Untrained:
+    """The objective, the network and its optimizer, before any data or device."""
+
+    objective: Any
+    net: nn.Module
+    frozen: List[str]
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    # The torch RNG state the network's weights were drawn from (the init reference redraws them).
+    init_rng: torch.Tensor
+
+
+def build_untrained(cfg: Any) -> Untrained:
+    objective = build_objective(cfg.objective)
+    init_rng = torch.get_rng_state()
+    net = build_network(cfg, objective)
+    frozen = freeze(net, list(cfg.train.freeze))
+    optimizer, scheduler = build_optimizer(net, cfg.optim, cfg.train.steps)
+    return Untrained(objective, net, frozen, optimizer, scheduler, init_rng)
+
+
+@dataclass
+class Training(Untrained):
+    """Everything the loop needs, on its device."""
+
+    data: ImageData = None  # type: ignore[assignment]
+    precision: Precision = None  # type: ignore[assignment]
+    probe: Probe = None  # type: ignore[assignment]
+    held: List[str] = field(default_factory=list)  # modules held in eval mode (train.eval_modules)
+
+
+def build_training(cfg: Any, device: torch.device) -> Training:
+    """Build the run; a value only the building code rejects (a size, a missing table entry,
+    a model and data that do not fit) is a UserError of one line."""
+    what = "data"
+    try:
+        data = build_data(cfg.data, cfg.seed).to(device)
+        check_data_shape(data, cfg.data)
+        what = "model, objective or optimizer"
+        parts = build_untrained(cfg)
+        parts.net.to(device).train()
+        held = hold_eval(parts.net, list(cfg.train.eval_modules))
+        # A network may act once its optimizer exists (a case that replaces a module after the
+        # optimizer was built; an evaluation that diagnoses one step of that optimizer).
+        if callable(getattr(parts.net, "on_optimizer", None)):
+            parts.net.on_optimizer(parts.optimizer)
+        precision = Precision(cfg.precision, device)
+        probe = Probe(parts.net, cfg.probe, cfg.train.steps, weight_decay=float(cfg.optim.weight_decay))
+        what = "objective"
+        check_forward(parts.objective, parts.net, data, cfg.seed)
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError, MemoryError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if what == "objective":
+            raise UserError(f"the model and the data do not fit together (data.num_classes, "
+                            f"model.num_classes, sizes?): {first}") from None
+        raise UserError(f"the {what} cannot be built from this config: {first}") from None
+    return Training(**vars(parts), data=data, precision=precision, probe=probe, held=held)
+
+
+def check_forward(objective: Any, net: nn.Module, data: ImageData, seed: int) -> None:
+    """One loss on one batch before training, so that a model and data that do not fit
+    (fewer logits than classes, say) are one line, not a traceback at step 0. Changes no
+    state: eval mode (BatchNorm statistics untouched), no gradients, its own generator."""
+    with modes_kept(net):  # restored exactly (a mode policy)
+        net.eval()
+        with torch.no_grad():
+            objective(net, data.sample(torch.Generator().manual_seed(seed)))
+
+
+def check_data_shape(data: ImageData, cfg_data: Any) -> None:
+    """Models are built from ``data.channels`` and ``data.image_size``; a data choice whose
+    images differ (those keys overridden for data that fixes them) is bad input, not a crash
+    at the first forward pass."""
+    got = tuple(data.x_train.shape[1:])
+    said = (cfg_data.channels, cfg_data.image_size, cfg_data.image_size)
+    if got != said:
+        raise UserError(
+            f"data={cfg_data.name} gives images of {'x'.join(map(str, got))} but "
+            f"data.channels / data.image_size say {'x'.join(map(str, said))}; leave them at "
+            f"the data choice's values")

@@ -1,0 +1,133 @@
+"""What surrounds the training loop: the device, seeding, the thread count, signals, the
+progress bar, the flush period and the versions a run records."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+import gradrepro
+from gradrepro.errors import UserError
+
+log = logging.getLogger(__name__)
+
+# Records are rewritten (atomically) right after the first logged step, then at most every
+# FLUSH_SECONDS during a run, and at the end. GRADREPRO_FLUSH_SECONDS changes the period
+# (tests use 0: a write on every logged step, to kill a run in the middle of one).
+FLUSH_SECONDS = 10.0
+
+
+def flush_seconds() -> float:
+    value = os.environ.get("GRADREPRO_FLUSH_SECONDS", str(FLUSH_SECONDS))
+    try:
+        return float(value)
+    except ValueError:
+        raise UserError(f"GRADREPRO_FLUSH_SECONDS={value!r} must be a number of seconds") from None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def seed_everything(seed: int, device: torch.device) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if device.type == "cpu":
+        # Bit-identical records for the same config and seed on CPU.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def versions() -> Dict[str, Optional[str]]:
+    commit = None
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(gradrepro.__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gradrepro": gradrepro.__version__,
+        "git_commit": commit,
+    }
+
+
+class StopRequest:
+    """SIGINT/SIGTERM set a flag; the loop finishes its step, records, and stops."""
+
+    def __init__(self) -> None:
+        self.signal: Optional[int] = None
+        self._previous: Dict[int, Any] = {}
+
+    def __enter__(self) -> "StopRequest":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (some launchers): leave signals alone
+                pass
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None:  # a second signal: stop now (the records are still written)
+            raise KeyboardInterrupt
+        self.signal = signum
+
+    @property
+    def name(self) -> str | None:
+        return signal.Signals(self.signal).name if self.signal is not None else None
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def progress(total: int, desc: str) -> tqdm:
+    # Quiet when output is not a terminal (CI, pipes, Hydra multirun logs).
+    return tqdm(total=total, desc=desc, disable=not sys.stderr.isatty(), leave=False, dynamic_ncols=True)
+
+
+class SafeBar:
+    """The progress bar, where a failure of the bar (a closed terminal, a formatting error)
+    switches the bar off with a warning and never stops training or costs records."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self._bar = None
+        self._call(lambda: setattr(self, "_bar", progress(total, desc)))
+
+    def _call(self, fn) -> None:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the bar must never stop a run
+            log.warning("progress bar switched off: %s", exc)
+            self._bar = None
+
+    def set_postfix(self, **kwargs: Any) -> None:
+        if self._bar is not None:
+            self._call(lambda: self._bar.set_postfix(**kwargs))
+
+    def update(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._call(lambda: self._bar.update(n))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._call(lambda: self._bar.close())
