@@ -151,6 +151,10 @@ def opposite(tmp_path, failure: str, control: str, *overrides: str):
     return f_rec, c_rec
 
 
+def test_dropout_left_on_reproduces_and_eval_mode_control_does_not(tmp_path):
+    opposite(tmp_path, "dropout_left_on", "dropout_eval_mode", "train.steps=60")
+
+
 def test_bn_diagnose_in_train_mode_reproduces_and_eval_mode_control_does_not(tmp_path):
     opposite(tmp_path, "bn_diagnose_in_train_mode", "bn_diagnose_in_eval_mode", "train.steps=100")
 

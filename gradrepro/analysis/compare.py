@@ -1,16 +1,8 @@
 """``python -m gradrepro.compare PATH... [--by KEY ...] [--format F] [--out F] [--plot F.png]``
 
-Reads any mix of run and sweep folders (recursively) and prints three tables
-(``analysis/tables.py``):
-
-- **runs**: one row per run: experiment, control, the overrides that differ between the runs,
-  seed, status, ``reproduced``, each signature check's observed value, threshold and the
-  paper's reference beside it, final loss, steps, wall time;
-- **groups**: grouped by the scientific knob (default: the experiment and the overrides that
-  differ, other than the seed; tuning_playbook's scientific vs nuisance knobs), mean and std
-  over seeds and how many seeds reproduced the signature;
-- **pairs**: each ablation beside its control when both are present: the ablation's own
-  signature evaluated on the control's records too, so every column is comparable.
+Reads any mix of run and sweep folders (recursively) and prints the comparison tables of
+``analysis/tables.py``: runs, groups over seeds by the scientific knob, and each ablation
+beside its control.
 
 Unreadable folders are skipped with one warning line each; the exit code is non-zero
 only when nothing was readable. After a multirun, :class:`SweepTableCallback` writes the

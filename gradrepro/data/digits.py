@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from sklearn.datasets import load_digits
 
 from gradrepro.data.base import DataBase, ImageData, random_shift
 
@@ -30,8 +31,6 @@ class DigitsConfig(DataBase):
 
 class Digits(ImageData):
     def __init__(self, cfg: DigitsConfig, seed: int) -> None:
-        from sklearn.datasets import load_digits
-
         images, labels = load_digits(return_X_y=True)
         x = torch.tensor(images, dtype=torch.float32).reshape(-1, 1, 8, 8)
         y = torch.tensor(labels, dtype=torch.long)

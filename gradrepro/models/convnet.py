@@ -1,7 +1,8 @@
 """A small conv encoder: conv3x3-BN-ReLU blocks and a global max-pool.
 
-SimSiam's encoder at CPU scale (2 conv + BN + ReLU, global max-pool; experiments/simsiam.md). Max-pooling makes the features translation tolerant, which is what two
-views of a jittered pattern need to agree on.
+SimSiam's encoder at CPU scale (2 conv + BN + ReLU, global max-pool; experiments/simsiam.md).
+Max-pooling makes the features translation tolerant, which is what two views of a jittered
+pattern need to agree on.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ class MLPConfig:
     widths: List[int] = field(default_factory=lambda: [256, 256])
     activation: str = "relu"  # relu | tanh
     batchnorm: bool = False
+    # Dropout after each hidden activation, with this drop probability (0: none; Srivastava et
+    # al. 2014 use 0.5 on hidden units). nn.Dropout drops in train mode only.
+    dropout: float = 0.0
     # Logits for this many classes; 0 means the MLP is a feature extractor (SimSiam).
     num_classes: int = "${data.num_classes}"  # type: ignore[assignment]
 
@@ -34,6 +37,8 @@ class MLP(nn.Module):
             if cfg.batchnorm:
                 layers.append(nn.BatchNorm1d(hidden))
             layers.append(ACTIVATIONS[cfg.activation]())
+            if cfg.dropout > 0:
+                layers.append(nn.Dropout(cfg.dropout))
             width = hidden
         if cfg.num_classes > 0:
             layers.append(nn.Linear(width, cfg.num_classes))

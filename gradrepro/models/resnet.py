@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torchvision.models import resnet18
 
 
 @dataclass
@@ -19,8 +20,6 @@ class ResNet18CifarConfig:
 class ResNet18Cifar(nn.Module):
     def __init__(self, cfg: ResNet18CifarConfig) -> None:
         super().__init__()
-        from torchvision.models import resnet18
-
         net = resnet18(num_classes=max(cfg.num_classes, 1))
         net.conv1 = nn.Conv2d(int(cfg.in_channels), 64, 3, stride=1, padding=1, bias=False)
         net.maxpool = nn.Identity()
