@@ -135,6 +135,9 @@ class CheckConfig:
     threshold: float = MISSING
     params: Dict[str, Any] = field(default_factory=dict)
     paper: Optional[str] = None  # the published reference shown beside this check
+    # evidence: decides the verdict (it must hold on the failure and fail on its control);
+    # context: shown beside the evidence, never decisive.
+    role: str = "evidence"
 
 
 @dataclass

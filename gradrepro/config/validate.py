@@ -20,7 +20,7 @@ from gradrepro.measure import frozen_audit, init_reference, mode_pass
 from gradrepro.objectives import OBJECTIVES
 from gradrepro.records import LOGGERS, tensorboard_available
 from gradrepro.records.run import RUN_SCALARS
-from gradrepro.signature import METRICS, OPS
+from gradrepro.signature import METRICS, OPS, ROLES
 from gradrepro.train.init import INIT_MODES, INIT_SCHEMES
 from gradrepro.train.optim import OPTIMIZERS, SCHEDULES
 from gradrepro.train.precision import PRECISION_MODES, is_power_of_two
@@ -141,6 +141,7 @@ def _check_choices(cfg: Any) -> None:
     _choice("logger.name", cfg.logger.name, LOGGERS)
     for i, check in enumerate(cfg.signature.checks):
         _choice(f"signature.checks[{i}].op", check.op, tuple(OPS))
+        _choice(f"signature.checks[{i}].role", check.role, ROLES)
 
 
 def _check_machine(cfg: Any) -> None:

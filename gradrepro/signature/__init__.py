@@ -5,8 +5,10 @@ before a run starts, which metric names its records will hold."""
 
 from gradrepro.signature.evaluate import (
     OPS,
+    ROLES,
     CheckResult,
     Verdict,
+    decide,
     evaluate,
     format_verdict,
     metric_ratio,
@@ -15,5 +17,5 @@ from gradrepro.signature.evaluate import (
 )
 from gradrepro.signature.registry import METRICS, metric
 
-__all__ = ["METRICS", "OPS", "CheckResult", "Verdict", "evaluate", "format_verdict", "metric",
+__all__ = ["METRICS", "OPS", "ROLES", "decide", "CheckResult", "Verdict", "evaluate", "format_verdict", "metric",
            "metric_ratio", "observe", "reduce_series"]

@@ -23,6 +23,7 @@ import gradrepro.signature.metrics  # noqa: F401 - every family registers its me
 from gradrepro.records.run import RunRecords
 from gradrepro.signature.registry import METRICS
 
+ROLES = ("evidence", "context")
 OPS: Dict[str, Callable[[float, float], bool]] = {
     "<=": operator.le,
     "<": operator.lt,
@@ -41,6 +42,7 @@ class CheckResult:
     paper: Optional[str] = None
     note: str = ""
     params: Dict[str, Any] = field(default_factory=dict)  # how the metric was read
+    role: str = "evidence"  # evidence decides the verdict; context is shown, never decisive
 
 
 @dataclass
@@ -110,7 +112,8 @@ def metric_ratio(numerator: RunRecords, denominator: RunRecords, metric: str,
 
 
 def evaluate(signature: Any, records: RunRecords) -> Verdict:
-    """Run every check of ``signature`` (a config node or dict) on ``records``."""
+    """Run every check of ``signature`` (a config node or dict) on ``records``; the verdict
+    is decided by its evidence checks (``decide``)."""
     window = int(signature["window"]) if "window" in signature else 3
     results: List[CheckResult] = []
     for check in signature["checks"]:
@@ -124,8 +127,15 @@ def evaluate(signature: Any, records: RunRecords) -> Verdict:
             observed, note = math.nan, str(exc)
         ok = bool(np.isfinite(observed) and OPS[op](observed, threshold))
         results.append(CheckResult(check["metric"], observed, op, threshold, ok, check.get("paper"),
-                                   note, dict(check.get("params") or {})))
-    return Verdict(reproduced=bool(results) and all(r.ok for r in results), checks=results)
+                                   note, dict(check.get("params") or {}), check.get("role") or "evidence"))
+    return Verdict(reproduced=decide(results), checks=results)
+
+
+def decide(results: List[CheckResult]) -> bool:
+    """Reproduced: at least one evidence check, and every evidence check held. Context checks
+    are shown beside them and never decide."""
+    evidence = [r for r in results if r.role == "evidence"]
+    return bool(evidence) and all(r.ok for r in evidence)
 
 
 def format_verdict(verdict: Verdict, name: str) -> str:
@@ -135,8 +145,9 @@ def format_verdict(verdict: Verdict, name: str) -> str:
             "metric": c.metric,
             "observed": f"{c.observed:.4g}" if np.isfinite(c.observed) else "n/a",
             "check": f"{c.op} {c.threshold:.4g}",
+            "role": c.role,
             "paper": c.paper or "",
-            "ok": "yes" if c.ok else "NO",
+            "ok": "yes" if c.ok else ("NO" if c.role == "evidence" else "no"),
         }
         for c in verdict.checks
     ]
