@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from gradrepro.probe import HIST_COLUMNS, HIST_EDGES
+from gradrepro.probe.kernels import HIST_COLUMNS, HIST_EDGES
 
 
 def pooled_histogram(modules: pd.DataFrame) -> pd.Series:
