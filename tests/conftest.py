@@ -1,5 +1,5 @@
-"""Shared test helpers: run the real CLI into a folder the test chooses (STYLE.md, example 8),
-and compose configs with Hydra's compose API."""
+"""Shared test helpers: run the real CLI into a folder the test chooses (as Hydra's own app
+tests do), and compose configs with Hydra's compose API."""
 
 from __future__ import annotations
 

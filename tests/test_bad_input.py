@@ -1,5 +1,5 @@
 """Bad config input: one line that names the problem (and the valid choices), exit code 2,
-no traceback (issue 9, point 1). Each case runs the CLI's own entry code in-process (fast);
+no traceback. Each case runs the CLI's own entry code in-process (fast);
 a representative subset also runs as a subprocess of the real CLI, and the whole battery
 does under ``-m slow``.
 

@@ -1,4 +1,4 @@
-"""Random override strings against the config layer (issue 9, tests): every command line
+"""Random override strings against the config layer: every command line
 either composes and validates (and, under ``-m slow``, runs) or is refused with one clean
 line; never a traceback, never another exception type."""
 

@@ -1,4 +1,4 @@
-"""BatchNorm's two functions and the forgotten zero_grad (issue 6): the mechanisms on tiny
+"""BatchNorm's two functions and the forgotten zero_grad: the mechanisms on tiny
 models against hand-checked expectations, then the experiments' signatures, each against
 its control (the opposite verdict)."""
 

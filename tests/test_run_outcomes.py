@@ -1,4 +1,4 @@
-"""How a run ends, and that its records survive (issue 9, points 2, 3, 4 and 6): divergence
+"""How a run ends, and that its records survive: divergence
 is a result, a signal stops a run with its records, SIGKILL leaves no half file, the same
 seed gives the same records, and a failing figure or progress bar costs nothing."""
 

@@ -1,4 +1,4 @@
-"""Nothing gradrepro reads is unpickled with full trust (issue 9, point 5).
+"""Nothing gradrepro reads is unpickled with full trust.
 
 The package's source is inspected (AST, so comments and strings do not count) for every
 call that can run code from a file; the one pickle reader, for CIFAR-10's python batches,
