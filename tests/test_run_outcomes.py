@@ -22,6 +22,7 @@ from gradrepro.probe import Probe
 from gradrepro.records import files as store
 from gradrepro.records.writer import Records
 from gradrepro.train import loop as runner
+from gradrepro.train import session
 
 TINY = ("scale=tiny",)
 LONG = ("scale=tiny", "train.steps=1000000")  # stopped by the test long before its end
@@ -219,7 +220,7 @@ def test_a_failing_progress_bar_loses_no_records(tmp_path, monkeypatch, caplog):
 
         update = close = set_postfix
 
-    monkeypatch.setattr(runner, "progress", lambda total, desc: BrokenBar())
+    monkeypatch.setattr(session, "progress", lambda total, desc: BrokenBar())
     summary = runner.run(compose_config([*TINY]), tmp_path / "run")
     assert summary["status"] == "completed"
     assert read_all(tmp_path / "run")[store.SCALARS]["step"].max() == 6
@@ -247,7 +248,7 @@ def test_an_error_mid_run_keeps_the_records_and_says_failed(tmp_path, monkeypatc
 def test_an_unwritable_run_folder_is_reported_before_training(tmp_path, monkeypatch):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    monkeypatch.setattr(runner, "build_data", lambda *a: pytest.fail("training started"))
+    monkeypatch.setattr(runner, "build_training", lambda *a: pytest.fail("training started"))
     with pytest.raises(UserError, match="cannot write to the run directory"):
         runner.run(compose_config([*TINY]), blocker / "run")
     with pytest.raises(UserError, match="not a folder"):
