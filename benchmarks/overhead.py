@@ -2,6 +2,7 @@
 ``torch.autograd.detect_anomaly``, on the same models, in one interleaved run.
 
     python benchmarks/overhead.py [--quick] [--json OUT.json] [--models ...] [--every ...]
+        [--device cpu|cuda] [--ops | --ops-only]
 
 Method (benchmarks/README.md has the measured tables):
 - Every tool trains its own copy of the model (same seed, same synthetic batch, SGD). The
@@ -13,11 +14,12 @@ Method (benchmarks/README.md has the measured tables):
   logged step of the real schedule, so phases beyond the block are sampled by the same
   code path; the per-step time is the schedule's average of the phase medians,
   ``(m0 + m1 + (k - 2) m_rest) / k``. ``ratio`` = that / the bare loop's median step.
-- ``mem_ratio``: peak resident memory (Linux VmHWM) added by training, measured in a
-  fresh process per row: the high-water mark is reset after the model, optimizer and
-  batch exist, a few steps run (including a logged step), and (peak - baseline) is
-  divided by the bare loop's. RSS, not torch's allocator: on CPU torch has no allocator
-  statistics, and tracemalloc does not see tensor memory.
+- ``--device cuda``: models and batches on the GPU; each timed step is bracketed by
+  ``torch.cuda.synchronize`` (CUDA runs asynchronously), memory from the allocator.
+- ``mem_ratio``: the peak memory training adds, against the bare loop's (memory.py).
+- ``--ops``: the operations the probe dispatches on one logged step and the bare step's own
+  count, and the host waits among them (op_count.py): ``probe_ops``, ``bare_ops``,
+  ``probe_syncs`` in every row of the model. ``--ops-only``: only those, one row per model.
 - ``--growth``: the probe's added time per logged step against the number of parameter
   tensors (deep MLPs) and against batch size (cifar10_3c3d), interleaved the same way.
 """
@@ -32,7 +34,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -40,188 +41,9 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch import nn
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from gradrepro.config.schema import ProbeConfig  # noqa: E402
-from gradrepro.probe import Probe  # noqa: E402
-
-# ----------------------------------------------------------------------------------------
-# Models
-
-
-def cifar10_3c3d(num_classes: int = 10) -> nn.Module:
-    """DeepOBS/Cockpit's cifar10_3c3d: 3 conv + 3 dense, 3x32x32 input (Schneider et al.
-    2019, DeepOBS App. A). TF "same" max-pooling is a one-sided zero pad (inputs are
-    post-ReLU, so zero padding equals -inf padding)."""
-
-    def pool() -> List[nn.Module]:
-        return [nn.ZeroPad2d((0, 1, 0, 1)), nn.MaxPool2d(3, stride=2)]
-
-    return nn.Sequential(
-        nn.Conv2d(3, 64, 5), nn.ReLU(), *pool(),  # Nx64x28x28 -> 14x14
-        nn.Conv2d(64, 96, 3), nn.ReLU(), *pool(),  # Nx96x12x12 -> 6x6
-        nn.Conv2d(96, 128, 3, padding=1), nn.ReLU(), *pool(),  # Nx128x6x6 -> 3x3
-        nn.Flatten(),
-        nn.Linear(3 * 3 * 128, 512), nn.ReLU(),
-        nn.Linear(512, 256), nn.ReLU(),
-        nn.Linear(256, num_classes),
-    )
-
-
-def resnet18_32(num_classes: int = 10) -> nn.Module:
-    """torchvision's resnet18 with gradrepro's CIFAR stem (3x3 conv, no max-pool)."""
-    from gradrepro.models.resnet import ResNet18Cifar, ResNet18CifarConfig
-
-    return ResNet18Cifar(ResNet18CifarConfig(in_channels=3, num_classes=num_classes)).net
-
-
-def plain30(num_classes: int = 10, width: int = 32) -> nn.Module:
-    """A 30-layer plain net: 27 conv 3x3 + 3 fc, ReLU, no normalisation, 8x8 input.
-    Defined here (same shape as gradrepro's depth experiments' plain net, which lives on
-    another branch) so the benchmark does not depend on it."""
-    layers: List[nn.Module] = [nn.Conv2d(3, width, 3, padding=1), nn.ReLU()]
-    for _ in range(26):
-        layers += [nn.Conv2d(width, width, 3, padding=1), nn.ReLU()]
-    layers += [nn.Flatten(), nn.Linear(width * 8 * 8, 128), nn.ReLU(),
-               nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, num_classes)]
-    return nn.Sequential(*layers)
-
-
-def deep_mlp(tensors: int, width: int = 32, in_dim: int = 32) -> nn.Module:
-    """``tensors // 2`` Linear layers with bias: the growth study's tensor-count knob."""
-    layers: List[nn.Module] = []
-    for i in range(max(tensors // 2, 1)):
-        layers += [nn.Linear(in_dim if i == 0 else width, width), nn.ReLU()]
-    return nn.Sequential(*layers[:-1])
-
-
-# name -> (builder, input shape without batch, default batch, quick batch)
-MODELS: Dict[str, Tuple[Callable[[], nn.Module], Tuple[int, ...], int, int]] = {
-    "cifar10_3c3d": (cifar10_3c3d, (3, 32, 32), 128, 32),
-    "resnet18": (resnet18_32, (3, 32, 32), 32, 8),
-    "plain30": (plain30, (3, 8, 8), 128, 32),
-}
-
-# ----------------------------------------------------------------------------------------
-# Tools: one training step each, on the tool's own copy of the model
-
-
-class Bare:
-    """The bare loop: zero_grad, forward, loss (read on the host, as the runner does),
-    backward, SGD step."""
-
-    name = "bare"
-    every = 1
-
-    def __init__(self, net: nn.Module, batch: Tuple[torch.Tensor, torch.Tensor]) -> None:
-        self.net = net
-        self.x, self.y = batch
-        self.loss_fn = nn.CrossEntropyLoss()
-        self.opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-
-    def logs(self, step: int) -> bool:
-        return step % self.every == 0
-
-    def forward_backward(self, step: int) -> None:
-        loss = self.loss_fn(self.net(self.x), self.y)
-        float(loss.detach())
-        loss.backward()
-
-    def step(self, step: int) -> None:
-        self.opt.zero_grad(set_to_none=True)
-        self.forward_backward(step)
-        self.opt.step()
-
-
-class Anomaly(Bare):
-    name = "detect_anomaly"
-
-    def forward_backward(self, step: int) -> None:
-        with torch.autograd.detect_anomaly():
-            super().forward_backward(step)
-
-
-class ProbeTool(Bare):
-    """The runner's sequence: zero_grad, then inside ``probe.step(...)``: forward -> backward
-    -> collect -> optimizer step; the columns come out when the block ends."""
-
-    name = "gradrepro"
-
-    def __init__(self, net, batch, every: int, act_sample: Optional[int] = None) -> None:
-        super().__init__(net, batch)
-        self.every = every
-        cfg = ProbeConfig(every=every, activations=True, task_contribution=True)
-        if act_sample is not None:
-            cfg.act_sample = act_sample
-        self.probe = Probe(net, cfg, total_steps=10**12)
-
-    def logs(self, step: int) -> bool:
-        return self.probe.logs(step)
-
-    def step(self, step: int) -> None:
-        self.opt.zero_grad(set_to_none=True)
-        with self.probe.step(step, lr=self.opt.param_groups[0]["lr"]) as p:
-            loss = self.loss_fn(self.net(self.x), self.y)
-            float(loss.detach())
-            loss.backward()
-            p.collect()
-            self.opt.step()
-        if p.logged:
-            self.columns = p.columns
-
-
-class CockpitTool(Bare):
-    """Cockpit "economy" (Schneider et al. 2021), the documented usage: extended model and
-    loss, individual losses passed in, backward inside the cockpit context."""
-
-    name = "cockpit_economy"
-
-    def __init__(self, net, batch, every: int) -> None:
-        from backpack import extend
-        from cockpit import Cockpit, quantities  # noqa: F401
-        from cockpit.utils.configuration import configuration
-        from cockpit.utils.schedules import linear
-
-        has_skip = any(type(m).__name__ == "BasicBlock" for m in net.modules())
-        net = extend(net, use_converter=has_skip)
-        super().__init__(net, batch)
-        self.every = every
-        self.loss_fn = extend(nn.CrossEntropyLoss())
-        self.individual = nn.CrossEntropyLoss(reduction="none")
-        self.cockpit = Cockpit(net.parameters(),
-                               quantities=configuration("economy", track_schedule=linear(every)))
-
-    def forward_backward(self, step: int) -> None:
-        out = self.net(self.x)
-        loss = self.loss_fn(out, self.y)
-        losses = self.individual(out, self.y)
-        float(loss.detach())
-        info = {"batch_size": self.x.shape[0], "individual_losses": losses, "loss": loss,
-                "optimizer": self.opt}
-        with self.cockpit(step, info=info):
-            loss.backward(create_graph=self.cockpit.create_graph(step))
-
-
-def make_tool(tool: str, every: int, net: nn.Module, batch) -> Bare:
-    if tool == "bare":
-        return Bare(net, batch)
-    if tool == "gradrepro":
-        return ProbeTool(net, batch, every)
-    if tool == "cockpit_economy":
-        return CockpitTool(net, batch, every)
-    if tool == "detect_anomaly":
-        return Anomaly(net, batch)
-    raise ValueError(tool)
-
-
-def make_batch(shape: Sequence[int], batch: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, *shape, generator=g), torch.randint(0, 10, (batch,), generator=g)
-
+from memory import memory_rows
+from op_count import ops_rows
+from tools import MODELS, Bare, ProbeTool, deep_mlp, make_batch, make_tool, synchronize
 
 # ----------------------------------------------------------------------------------------
 # Interleaved timing
@@ -247,9 +69,10 @@ def per_step(times: Dict[str, List[float]], every: int) -> float:
     return (med["log"] + med["next"] + (every - 2) * rest) / every
 
 
-def interleaved(tools: List[Bare], rounds: int, length: int,
+def interleaved(tools: List[Bare], rounds: int, length: int, device="cpu",
                 on_block: Optional[Callable[[], None]] = None) -> List[Dict[str, List[float]]]:
-    """Per tool, step times by phase. Block 0 is the warm-up (discarded)."""
+    """Per tool, step times by phase (each step bracketed by a device synchronisation).
+    Block 0 is the warm-up (discarded)."""
     times: List[Dict[str, List[float]]] = [{"log": [], "next": [], "rest": []} for _ in tools]
     order = list(range(len(tools)))
     for r in range(rounds + 1):
@@ -258,8 +81,10 @@ def interleaved(tools: List[Bare], rounds: int, length: int,
             tool = tools[i]
             start = block_start(r, tool.every, length)
             for s in range(start, start + length):
+                synchronize(device)
                 t0 = time.perf_counter()
                 tool.step(s)
+                synchronize(device)
                 dt = time.perf_counter() - t0
                 if r > 0:
                     times[i][phase(s, tool.every)].append(dt)
@@ -278,11 +103,11 @@ def tool_grid(tool_names: Sequence[str], intervals: Sequence[int]) -> List[Tuple
     return grid
 
 
-def build_tools(model: str, grid, batch_size: int, seed: int = 0):
+def build_tools(model: str, grid, batch_size: int, device="cpu", seed: int = 0):
     builder, shape, _, _ = MODELS[model]
     torch.manual_seed(seed)
-    base = builder()
-    batch = make_batch(shape, batch_size, seed)
+    base = builder().to(device)
+    batch = make_batch(shape, batch_size, seed, device)
     tools, errors = [], {}
     for tool, every in grid:
         try:
@@ -292,8 +117,8 @@ def build_tools(model: str, grid, batch_size: int, seed: int = 0):
     return tools, errors
 
 
-def time_model(model: str, grid, batch_size: int, rounds: int, length: int, log) -> List[dict]:
-    tools, errors = build_tools(model, grid, batch_size)
+def time_model(model: str, grid, batch_size: int, rounds: int, length: int, device, log) -> List[dict]:
+    tools, errors = build_tools(model, grid, batch_size, device)
     for tool in list(tools):  # one trial step: drop a tool that fails on this model
         try:
             tool.step(0)
@@ -302,7 +127,7 @@ def time_model(model: str, grid, batch_size: int, rounds: int, length: int, log)
             tools.remove(tool)
     t0 = time.perf_counter()
     done = iter(range(1, rounds + 2))
-    times = interleaved(tools, rounds, length, on_block=lambda: log(
+    times = interleaved(tools, rounds, length, device, on_block=lambda: log(
         f"  {model}: round {next(done)}/{rounds + 1} at {time.perf_counter() - t0:.0f} s"))
     log(f"  {model}: {len(tools)} tools x {rounds} rounds x {length} steps "
         f"in {time.perf_counter() - t0:.0f} s")
@@ -331,81 +156,19 @@ def time_model(model: str, grid, batch_size: int, rounds: int, length: int, log)
 
 
 # ----------------------------------------------------------------------------------------
-# Peak memory, one fresh process per row
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def memory_child(model: str, tool: str, every: int, batch_size: int, steps: int,
-                 threads: int) -> dict:
-    torch.set_num_threads(threads)
-    builder, shape, _, _ = MODELS[model]
-    torch.manual_seed(0)
-    t = make_tool(tool, every, builder(), make_batch(shape, batch_size))
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS (Linux >= 4.0)
-        reset = True
-    except OSError:
-        reset = False
-    base = _status_kb("VmRSS")
-    rss = []
-    for s in range(steps):
-        t.step(s)
-        rss.append(_status_kb("VmRSS"))
-    peak = _status_kb("VmHWM")
-    return {"base_kb": base, "peak_kb": peak, "hwm_reset": reset,
-            "rss_kb_after_steps": rss}
-
-
-def memory_rows(rows: List[dict], batch_sizes: Dict[str, int], steps: int, threads: int,
-                log) -> None:
-    peaks: Dict[Tuple[str, str, int], dict] = {}
-    for r in rows:
-        if r.get("step_s") is None:
-            continue
-        key = (r["model"], r["tool"], r["every"])
-        cmd = [sys.executable, __file__, "--_memory", r["model"], r["tool"], str(r["every"]),
-               str(batch_sizes[r["model"]]), str(steps), str(threads)]
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-        if out.returncode != 0:
-            log(f"  memory {key} failed: {out.stderr.strip().splitlines()[-1:]}")
-            continue
-        peaks[key] = json.loads(out.stdout.strip().splitlines()[-1])
-    for r in rows:
-        key = (r["model"], r["tool"], r["every"])
-        bare = peaks.get((r["model"], "bare", 1))
-        mine = peaks.get(key)
-        if bare is None or mine is None:
-            r["mem_ratio"] = None
-            continue
-        added = mine["peak_kb"] - mine["base_kb"]
-        r["mem_added_mb"] = added / 1024
-        r["mem_ratio"] = added / max(bare["peak_kb"] - bare["base_kb"], 1)
-        rss = mine["rss_kb_after_steps"]
-        r["rss_growth_mb"] = (rss[-1] - rss[1]) / 1024 if len(rss) > 2 else None
-
-
-# ----------------------------------------------------------------------------------------
 # Cost growth
 
 
 def growth(tensor_counts: Sequence[int], batch_sizes: Sequence[int], rounds: int,
-           length: int, log) -> dict:
+           length: int, device, log) -> dict:
     """Added time per logged step (probe at every step minus bare), interleaved pairs."""
     out: Dict[str, list] = {"tensors": [], "batch": []}
     for n in tensor_counts:
         torch.manual_seed(0)
-        base = deep_mlp(n)
-        batch = make_batch((32,), 32)
+        base = deep_mlp(n).to(device)
+        batch = make_batch((32,), 32, device=device)
         tools = [Bare(copy.deepcopy(base), batch), ProbeTool(copy.deepcopy(base), batch, 1)]
-        times = interleaved(tools, rounds, length)
+        times = interleaved(tools, rounds, length, device)
         bare, probe = (statistics.median(t["log"]) for t in times)
         out["tensors"].append({"tensors": len(tools[1].probe.params), "bare_s": bare,
                                "probe_s": probe, "added_s": probe - bare})
@@ -413,10 +176,10 @@ def growth(tensor_counts: Sequence[int], batch_sizes: Sequence[int], rounds: int
     builder, shape, _, _ = MODELS["cifar10_3c3d"]
     for b in batch_sizes:
         torch.manual_seed(0)
-        base = builder()
-        batch = make_batch(shape, b)
+        base = builder().to(device)
+        batch = make_batch(shape, b, device=device)
         tools = [Bare(copy.deepcopy(base), batch), ProbeTool(copy.deepcopy(base), batch, 1)]
-        times = interleaved(tools, rounds, length)
+        times = interleaved(tools, rounds, length, device)
         bare, probe = (statistics.median(t["log"]) for t in times)
         out["batch"].append({"batch": b, "bare_s": bare, "probe_s": probe,
                              "added_s": probe - bare, "ratio": probe / bare})
@@ -444,6 +207,15 @@ def table(rows: List[dict]) -> str:
     return "\n".join(lines)
 
 
+def ops_table(rows: List[dict]) -> str:
+    lines = ["| model | tensors | hooked modules | bare step ops | probe ops per logged step | "
+             "probe host waits |", "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['tensors']} | {r['hooked_modules']} | {r['bare_ops']} | "
+                     f"{r['probe_ops']} | {r['probe_syncs']} |")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
@@ -463,15 +235,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--growth-only", action="store_true", help="only the cost-growth study")
     p.add_argument("--growth-tensors", nargs="+", type=int, default=[10, 32, 100, 320, 1000])
     p.add_argument("--growth-batch", nargs="+", type=int, default=[16, 32, 64, 128, 256])
-    p.add_argument("--_memory", nargs=6, help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--ops", action="store_true",
+                   help="also count the probe's operations per logged step (on CPU)")
+    p.add_argument("--ops-only", action="store_true", help="only the operation counts")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
-
-    if args._memory:
-        model, tool, every, batch, steps, threads = args._memory
-        print(json.dumps(memory_child(model, tool, int(every), int(batch), int(steps),
-                                      int(threads))))
-        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("overhead.py: --device cuda, but torch sees no CUDA device (choices: cpu, cuda)",
+              file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
 
     torch.set_num_threads(args.threads)
     models = args.models or list(MODELS)
@@ -486,29 +260,41 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
             "machine": platform.machine(), "cpus": os.cpu_count(), "threads": args.threads,
-            "torch": torch.__version__, "cuda": None, "load_before": os.getloadavg(),
+            "torch": torch.__version__, "load_before": os.getloadavg(), "device": args.device,
+            "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
             "rounds": rounds, "block": length}
     batch_sizes = {m: args.batch or (MODELS[m][3] if args.quick else MODELS[m][2])
                    for m in models}
     meta["batch"] = batch_sizes
     rows: List[dict] = []
+    counts: Dict[str, dict] = {}
+    if args.ops or args.ops_only:  # on CPU: the probe's one path dispatches the same ops there
+        counts = {r["model"]: r for r in ops_rows(models, batch_sizes)}
+    if args.ops_only:
+        rows, models, args.no_memory = list(counts.values()), [], True
     if args.growth_only:
         args.growth, models, args.no_memory = True, [], True
     for model in models:
         rows += time_model(model, tool_grid(args.tools, intervals), batch_sizes[model],
-                           rounds, length, log)
+                           rounds, length, device, log)
     meta["load_after_timing"] = os.getloadavg()
     if args.no_memory:
         for r in rows:
             r["mem_ratio"] = None
     else:
-        memory_rows(rows, batch_sizes, args.mem_steps, args.threads, log)
+        memory_rows(rows, batch_sizes, args.mem_steps, args.threads, device, log)
+    for r in rows:
+        if r["model"] in counts:
+            r.update({k: counts[r["model"]][k] for k in ("bare_ops", "probe_ops", "probe_syncs")})
     result = {"meta": meta, "rows": rows}
     if args.growth:
-        result["growth"] = growth(args.growth_tensors, args.growth_batch, rounds, length, log)
+        result["growth"] = growth(args.growth_tensors, args.growth_batch, rounds, length, device, log)
     meta["load_after"] = os.getloadavg()
-    print(table(rows))
+    if not args.ops_only:
+        print(table(rows))
+    if counts:
+        print("\n" + ops_table(list(counts.values())))
     if args.growth:
         print("\n| parameter tensors | bare (ms) | probe (ms) | added per logged step (ms) |")
         print("|---:|---:|---:|---:|")

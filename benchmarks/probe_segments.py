@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import MODELS, Bare, ProbeTool, make_batch  # noqa: E402
+from tools import MODELS, Bare, ProbeTool, make_batch  # noqa: E402
 
 SEGMENTS = ("arm", "forward", "backward", "collect", "opt", "after_step")
 

@@ -1,16 +1,19 @@
-"""The probe's numerical kernels: fused sums, zero/flush/non-finite counts, means and
-spreads, histograms and per-example variances, computed on the tensor's device so that a
-logged step moves its results to the host once.
+"""The probe's numerical kernels: the fp16-flush levels, sums of squares that survive
+tiny values, histograms, per-example variances and the one transfer to the host. The block
+passes that apply them to many tensors at once are in ``probe/blocks.py``.
 
-Exactness: zero and fp16-flush counts are integer sums kept below 2^24 in float32 (or summed
-in float64), so they are exact; one-pass sums of squares are used only where they are
-accurate (``_one_pass_accurate``), two passes elsewhere.
+Sums of squares are kept twice, of ``x`` and of ``x`` scaled by a power of two (exact), and
+``squares_from_norms`` picks one on the host. The first where its mean square is at least
+2^-100 and its norm below 2^60: entries whose squares leave float32's normal range then cost
+< 2^-26 relative, and nothing overflows. Below, every entry is under 2^-36 (for at most 2^26
+entries), so the copy scaled by 2^100 neither overflows nor underflows; above, the copy is
+scaled by 2^-100. Gradients of 1e-30, float32 subnormals and entries of 1e38 get their true
+norm on every device, in float32 arithmetic.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List
 
 import numpy as np
 import torch
@@ -37,52 +40,21 @@ def log2_histogram(g: torch.Tensor) -> torch.Tensor:
     return torch.bincount(idx, minlength=len(HIST_COLUMNS)).float()
 
 
-def _norms(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-    if not tensors:
-        return []
-    if hasattr(torch, "_foreach_norm"):
-        return list(torch._foreach_norm(tensors))
-    return [torch.linalg.vector_norm(t) for t in tensors]
-
-
 # |x| <= FP16_FLUSH  <=>  |x| * _FLUSH_SCALE <= 1, exactly: scaling by a power of 2 is exact.
 _FLUSH_SCALE = 2.0**25
-# Above this many entries, sums of levels (values 0..4 each) could pass 2^24, where float32
-# stops counting exactly: such tensors are summed in float64.
-_EXACT_F32 = 2**22
 
 
-def _levels_(v: torch.Tensor, nan: bool = True) -> torch.Tensor:
+def levels_(v: torch.Tensor, nan: bool = True) -> torch.Tensor:
     """In place on ``v = |x|``: 0 where x == 0, 1 where 0 < |x| <= FP16_FLUSH, 2 elsewhere
     (NaN and inf included, as ``count_nonzero`` and ``abs() <= FP16_FLUSH`` count them).
     ``clamp_`` then ``nan_to_num_`` rather than one ``fmin``, which is not vectorised on CPU
-    (benchmarks/README.md, "Where the probe's time goes").
-    ``nan=False`` leaves NaN as NaN (one pass less), for callers that recount a tensor
-    whose norm is not finite."""
+    (benchmarks/README.md). ``nan=False`` leaves NaN as NaN (one pass less), for callers that
+    recount a tensor whose sums are not finite."""
     v.mul_(_FLUSH_SCALE)
     v.clamp_(max=2.0)  # inf -> 2; NaN stays NaN ...
     if nan:
         torch.nan_to_num_(v, nan=2.0)  # ... and becomes 2 here
     return v.ceil_()
-
-
-def level_sums(x: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``[sum(l), sum(l^2)]`` of the levels ``l`` of x (see ``_levels_``); ``counts_from_
-    level_sums`` turns them into zero and flush counts on the host. Two sums of one
-    element-wise result replace ``count_nonzero`` and a boolean mask sum, which on CPU
-    are not vectorised and cost several times more. Exact: integer sums below 2^24.
-    ``scratch``: a float32 buffer of ``x.numel()`` entries to work in (no allocation)."""
-    return torch.stack(_level_sum_pair(x, scratch))
-
-
-def _level_sum_pair(x: torch.Tensor, scratch: Optional[torch.Tensor], finite: bool = False):
-    """The two sums of ``level_sums``, unstacked; ``finite``: the caller knows x holds no
-    NaN (the NaN pass is skipped)."""
-    v = torch.abs(x.reshape(-1), out=scratch) if scratch is not None else x.reshape(-1).abs()
-    v = _levels_(v, nan=not finite)
-    if v.numel() <= _EXACT_F32:
-        return v.sum(), torch.dot(v, v)
-    return v.sum(dtype=torch.float64), v.square_().sum(dtype=torch.float64)
 
 
 def counts_from_level_sums(numel, s1, s2):
@@ -93,123 +65,53 @@ def counts_from_level_sums(numel, s1, s2):
     return numel - n1 - n2, numel - n2
 
 
-def _grad_sums(grads: List[torch.Tensor], scratch_for=None) -> torch.Tensor:
-    """3 x len(grads), float64: per float32 tensor its plain sum (``collect`` finishes the
-    std from it and the norm) and the two ``level_sums`` of its levels, levelled together
-    in chunks of about ``_EXACT_F32`` entries. ``scratch_for(n)`` gives a reused float32
-    buffer of n entries for the chunk (fresh large tensors page-fault on CPU). NaN stays NaN
-    in the level sums: the host
-    recounts every tensor whose norm is not finite."""
-    device = grads[0].device if grads else None
-    out = torch.empty(3, len(grads), dtype=torch.float64, device=device)
-    chunk: List[int] = []
-
-    def flush_chunk(size: int) -> None:
-        # One flat copy of the chunk: per tensor a plain sum, then levelled in place, with a
-        # sum and a dot per tensor (``_foreach_norm(v, 1)`` and ``_foreach_abs``'s fresh
-        # allocations cost several times more on CPU).
-        parts = [grads[i].reshape(-1) for i in chunk]
-        flat = torch.cat(parts) if scratch_for is None else torch.cat(parts, out=scratch_for(size))
-        views = flat.split([grads[i].numel() for i in chunk])
-        plain = torch.stack([v.sum() for v in views])
-        _levels_(flat.abs_(), nan=False)
-        rows = [plain, torch.stack([v.sum() for v in views]), torch.stack([torch.dot(v, v) for v in views])]
-        out[:, chunk] = torch.stack(rows).double()
-        chunk.clear()
-
-    size = 0
-    for i, g in enumerate(grads):
-        if g.numel() > _EXACT_F32:
-            out[0, i] = g.sum()
-            out[1:, i] = level_sums(g)
-            continue
-        if size + g.numel() > _EXACT_F32:
-            flush_chunk(size)
-            size = 0
-        chunk.append(i)
-        size += g.numel()
-    if chunk:
-        flush_chunk(size)
-    return out
+# Sums of squares of x * 2^100 (or 2^-100) beside those of x (see the module docstring).
+SCALE_UP, SCALE_DOWN = 2.0**100, 2.0**-100
+_HI_MIN_MEAN_SQUARE = 2.0**-100
+_HI_MAX_NORM = 2.0**60  # at or above it (or inf) the copy is scaled down instead
 
 
-# One-pass sums of squares are kept only where the mean square is this far inside float32's
-# normal range (smallest normal 1.2e-38): squares that underflow then cost < 1e-8 relative.
-_ONE_PASS_MIN_MEAN_SQUARE = 1e-30
+def lo_scale(hi, up=SCALE_UP, down=SCALE_DOWN):
+    """The power of two the second sum of squares scales by, from the first norm ``hi``
+    (a device tensor or a host array: the same comparison on the same float32 values).
+    ``up`` and ``down`` may be 0-d device tensors holding the two scales (kept by the
+    caller, so that no constant is made anew on each step)."""
+    if isinstance(hi, np.ndarray):
+        return np.where(hi < _HI_MAX_NORM, up, down)
+    return torch.where(hi < _HI_MAX_NORM, up, down)
 
 
-def _one_pass_accurate(n, mean, square, ssd):
-    """Where ``ssd = square - n mean^2`` (``square``: the sum of squares) is accurate: more
-    than one entry, mean^2 <= var (the cancellation then costs ~1e-5 relative at most) and
-    squares far from underflow; NaN and inf fail every comparison. The one rule for the
-    hooks' floats and ``collect``'s arrays alike (``&`` works on both)."""
-    return (n > 1) & (ssd < math.inf) & (ssd >= mean * mean * (n - 1)) & (square >= n * _ONE_PASS_MIN_MEAN_SQUARE)
+def squares_from_norms(hi: np.ndarray, lo: np.ndarray, numel: np.ndarray) -> np.ndarray:
+    """Sums of squares from the norms of ``x`` (``hi``) and of ``x * lo_scale(hi)`` (``lo``),
+    ``numel`` entries each (see the module docstring); NaN stays NaN."""
+    scale = lo_scale(hi)
+    with np.errstate(invalid="ignore", over="ignore"):
+        hi2 = hi * hi
+        use_hi = (hi2 >= numel * _HI_MIN_MEAN_SQUARE) & (hi < _HI_MAX_NORM)
+        return np.where(use_hi, hi2, (lo / scale) ** 2)
 
 
-def mean_ssd(x: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``[mean, sum of squared deviations from the mean]`` on the device; the host finishes
-    the unbiased std. Two passes (mean, then the deviations' dot) stay accurate for a large
-    mean and a small spread (a collapsed layer), where the one-pass ``dot(x, x) - n mean^2``
-    cancels; ``torch.var_mean`` gives the same numbers but is an order of magnitude slower on
-    CPU. ``scratch`` as in ``level_sums``. On CPU the hooks use ``mean_ssd_host``."""
-    flat = x.reshape(-1)
-    mean = flat.mean()
-    dev = torch.sub(flat, mean, out=scratch) if scratch is not None else flat - mean
-    return torch.stack([mean, torch.dot(dev, dev)])  # one read, where square_ + sum take two
+def list_norms(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """3 x len(tensors): the norms of each tensor, of it times 2^100 and of it times 2^-100,
+    in five multi-tensor operations; ``robust_norms`` picks on the host."""
+    rows = []
+    for scale in (1.0, SCALE_UP, SCALE_DOWN):
+        scaled = tensors if scale == 1.0 else torch._foreach_mul(tensors, scale)
+        rows.append(torch.stack(list(torch._foreach_norm(scaled))).float())
+    return torch.stack(rows)
 
 
-def mean_ssd_host(x: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> Tuple[float, float]:
-    """``mean_ssd`` for a CPU tensor, as two floats: reading a scalar costs nothing there, so
-    the one pass ``dot(x, x) - n mean^2`` (one read, no write) is tried first and kept where
-    ``mean^2 <= var`` and the mean square is far from underflow: there its error (1e-5
-    relative at 2 M entries) is below the two-pass float32 dot's own (3e-4;
-    tested). Elsewhere (a collapsed layer, NaN) the two passes. It saves the write of the
-    deviations, and the host floats save the small tensors a hook would otherwise build."""
-    flat = x.reshape(-1)
-    n = flat.numel()
-    if n == 0:
-        return math.nan, math.nan
-    m = float(flat.sum()) / n
-    square = float(torch.dot(flat, flat))
-    ssd = square - n * m * m
-    if _one_pass_accurate(n, m, square, ssd):
-        return m, ssd
-    dev = torch.sub(flat, m, out=scratch) if scratch is not None else flat - m
-    return m, float(torch.dot(dev, dev))
+def robust_norms(rows: np.ndarray, numel: np.ndarray) -> np.ndarray:
+    """The norms of ``list_norms``' tensors, from its three rows on the host."""
+    hi, up, down = rows
+    lo = np.where(lo_scale(hi) == SCALE_UP, up, down)
+    return np.sqrt(squares_from_norms(hi, lo, np.asarray(numel, dtype=np.float64)))
 
 
-def _std(ssd: np.ndarray, numel: np.ndarray) -> np.ndarray:
+def std_from_ssd(ssd: np.ndarray, numel: np.ndarray) -> np.ndarray:
+    """The unbiased std from a sum of squared deviations (NaN for fewer than two entries)."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.sqrt(ssd / (numel - 1))
-
-
-def _stat_rows(values: list, width: int, device) -> torch.Tensor:
-    """len(values) x width, float64, on ``device``: the hooks' results, host tuples (CPU) or
-    device tensors; None (no hook result for that module) is NaN."""
-    if not any(torch.is_tensor(v) for v in values):  # one tensor from host floats
-        nan = (math.nan,) * width
-        return torch.tensor([nan if v is None else v for v in values], dtype=torch.float64,
-                            device=device).reshape(len(values), width)
-    nan_t = torch.full((width,), math.nan, dtype=torch.float64, device=device)
-    return torch.stack([nan_t if v is None else torch.as_tensor(v, device=device).double()
-                        for v in values])
-
-
-def grad_std_from_sums(norm: np.ndarray, total: np.ndarray, numel: np.ndarray,
-                       zeros: np.ndarray) -> np.ndarray:
-    """Each gradient's std over its entries from its norm and plain sum, ``(|g|^2 - n mean^2)
-    / (n - 1)``, where that is accurate: where ``|mean| <= std`` the cancellation costs at
-    most about 2 x 1e-6 relative (float32 norm and sum; tested). NaN elsewhere (a large mean
-    over a small spread, a non-finite norm, entries so small that their squares leave
-    float32's normal range, one entry), for the probe to recount with the two-pass ``std``;
-    an all-zero tensor is 0. Gradients are centred near zero, so the recount is rare; it
-    replaces a two-pass ``std`` per tensor."""
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        mean = total / numel
-        ssd = norm**2 - numel * mean**2
-        accurate = _one_pass_accurate(numel, mean, norm**2, ssd)
-        out = np.where(accurate, np.sqrt(np.where(accurate, ssd, 0.0) / (numel - 1)), np.nan)
-    return np.where((zeros == numel) & (numel > 1), 0.0, out)
+        return np.where(numel > 1, np.sqrt(ssd / (numel - 1)), np.nan)
 
 
 def per_example_stats(delta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -230,13 +132,15 @@ def per_example_stats(delta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def to_host(parts: Dict[str, torch.Tensor]) -> Dict[str, np.ndarray]:
-    """Named device tensors as float64 host arrays of the same shapes, in one transfer: a new
-    statistic is one more entry, read back by its name."""
+    """Named device tensors as float64 host arrays of the same shapes, in one transfer (one
+    concatenation, one copy to the host): a new statistic is one more entry, read back by its
+    name. The copy is explicit even on CPU, so that the transfer is one countable operation."""
     tensors = list(parts.values())
-    device = tensors[0].device
-    flat = torch.cat([t.to(device=device, dtype=torch.float64).reshape(-1) for t in tensors]).cpu().numpy()
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    flat = torch.cat([t.reshape(-1) if t.dtype == dtype else t.reshape(-1).to(dtype) for t in tensors])
+    host = flat.to("cpu", copy=True).numpy().astype(np.float64)
     out, offset = {}, 0
     for name, t in parts.items():
-        out[name] = flat[offset : offset + t.numel()].reshape(tuple(t.shape))
+        out[name] = host[offset : offset + t.numel()].reshape(tuple(t.shape))
         offset += t.numel()
     return out

@@ -11,37 +11,45 @@ One protocol, a context manager around the part of a training step the probe wat
         optimizer.step()
     columns = p.columns                                    # modules.parquet rows, or None
 
-On steps that are not logged nothing runs but the schedule's test. On a logged step every
-statistic is computed on the device (probe/kernels.py) and moved to the host in one transfer.
-Gradient states (probe/states.py): ``none``, ``zero``, ``tiny``, ``finite``, ``nonfinite``.
+On steps that are not logged nothing runs but the schedule's test. On a logged step the work
+does not grow operation by operation with the number of tensors: the hooks copy their samples
+into one buffer (probe/stash.py); gradients, parameters and updates are copied into another
+with multi-tensor copies; each buffer is reduced a block at a time in a fixed number of
+operations (probe/blocks.py), and the per-block results reach the host in one transfer, where
+float64 sums by tensor finish them (probe/columns.py). Gradient states (probe/states.py):
+``none``, ``zero``, ``tiny``, ``finite``, ``nonfinite``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from gradrepro.probe.kernels import (
-    HIST_COLUMNS,
-    _grad_sums,
-    _level_sum_pair,
-    _norms,
-    _stat_rows,
-    _std,
-    counts_from_level_sums,
-    grad_std_from_sums,
-    level_sums,
-    log2_histogram,
-    mean_ssd,
-    mean_ssd_host,
-    per_example_stats,
-    to_host,
+from gradrepro.probe.blocks import (
+    LEVEL_ROWS,
+    MOMENT_ROWS,
+    SQUARE_ROWS,
+    Buffer,
+    Layout,
+    Stats,
+    level_sums_,
+    moments_,
+    squares,
+    zero_pads_,
 )
-from gradrepro.probe.states import FP16_FLUSH, grad_states, module_kind
+from gradrepro.probe.columns import activation_columns, gradient_columns
+from gradrepro.probe.kernels import list_norms, log2_histogram, per_example_stats, to_host
+from gradrepro.probe.stash import Stash
+from gradrepro.probe.states import module_kind
+
+# Per block of the parameter layout: the gradient's moments and levels, this step's own
+# gradient (when .grad carried a sum in), the parameters before the step and the update.
+PARAM_ROWS = (tuple("g_" + r for r in MOMENT_ROWS + LEVEL_ROWS)
+              + tuple(p + r for p in ("f_", "p_", "u_") for r in SQUARE_ROWS))
 
 
 class ProbeStep:
@@ -109,23 +117,27 @@ class Probe:
                 self.param_of.append(p_name)
                 self.kind_of.append(module_kind(module))
         self.numel = np.array([p.numel() for p in self.params], dtype=np.float64)
-        self._buffer: Optional[List[torch.Tensor]] = None
-        self._scratch: Optional[torch.Tensor] = None
+        # Gradients, parameters before the step (then the update) and what .grad carried in,
+        # each one block buffer of the same layout (made at the first logged step).
+        self.layout: Optional[Layout] = None
+        self.stats: Optional[Stats] = None
+        self._grads: Optional[Buffer] = None
+        self._before: Optional[Buffer] = None
+        self._carried: Optional[Buffer] = None
+        self._carrying = False
+        self._work: Optional[torch.Tensor] = None
+        self._lent = False  # the gradient buffer served as work this step (its pads are not zero)
+        self.acts = Stash(MOMENT_ROWS)  # module outputs, first call of the step
+        self.act_grads = Stash(MOMENT_ROWS + LEVEL_ROWS)  # gradients at module outputs
         self._handles: list = []
-        self._act: Dict[str, object] = {}
-        self._act_grad: Dict[str, object] = {}
         self._act_grad_hist: Dict[str, torch.Tensor] = {}
-        self._act_numel: Dict[str, int] = {}
-        self._act_grad_meta: Dict[str, tuple] = {}  # numel, loss scale
-        self._contrib: Dict[str, List[torch.Tensor]] = {}
+        self._contrib: Dict[str, tuple] = {}  # term -> (tensors it reaches, their norm rows)
         self._pending: Optional[dict] = None
         self._inputs: Dict[str, torch.Tensor] = {}
         self._per_example: Dict[str, torch.Tensor] = {}
         self.loss_scale = 1.0  # of the current step (the hooks unscale their std with it)
         self.lr = math.nan  # of the current step (update / lr reads as a gradient)
-        # What .grad held before this step's backward (None: nothing), and the probe's own
-        # running sum of fresh gradients over the first ``running_sum_steps`` steps.
-        self._carried: Optional[List[Optional[torch.Tensor]]] = None
+        # The probe's own running sum of fresh gradients over the first running_sum_steps steps.
         self._running: Optional[List[torch.Tensor]] = None
         self._summing = False
 
@@ -143,14 +155,22 @@ class Probe:
         """A logged step begins: forget the last one's statistics, arm the hooks, and keep
         what ``.grad`` holds before this step's backward (a running sum when nothing zeroed
         it), so that ``_collect`` can tell the fresh gradient from the carried part."""
-        for stats in (self._act, self._act_grad, self._act_grad_hist, self._act_numel,
-                      self._act_grad_meta, self._contrib, self._inputs, self._per_example):
+        self.acts.begin()
+        self.act_grads.begin()
+        for stats in (self._act_grad_hist, self._contrib, self._inputs, self._per_example):
             stats.clear()
         if hooks and self.cfg.activations:
             for name, module in self.hooked.items():
                 self._handles.append(module.register_forward_hook(self._forward_hook(name)))
-        carried = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
-        self._carried = carried if any(c is not None for c in carried) else None
+        carried = [i for i, p in enumerate(self.params) if p.grad is not None]
+        self._carrying = bool(carried)
+        if carried:
+            with torch.no_grad():
+                self._ensure_layout()
+                if self._carried is None:
+                    self._carried = self.layout.buffer([p.shape for p in self.params], self._grads.flat.dtype)
+                self._carried.flat.zero_()
+                _copy_([self._carried.views[i] for i in carried], [self.params[i].grad for i in carried])
         self._summing = step < self.cfg.running_sum_steps
 
     def _disarm(self) -> None:
@@ -158,30 +178,18 @@ class Probe:
             handle.remove()
         self._handles.clear()
 
-    # -- forward/backward hooks (armed on logged steps only) ------------------------------
-    def _scratch_for(self, numel: int, device) -> torch.Tensor:
-        """A float32 work buffer of ``numel`` entries for the hooks' element-wise passes and
-        ``_collect``'s gradient chunks: one per probe, as large as the largest use (it does
-        not grow with steps), reused so that nothing allocates (fresh allocations page-fault
-        on CPU)."""
-        buf = self._scratch
-        if buf is None or buf.numel() < numel or buf.device != torch.device(device):
-            buf = self._scratch = torch.empty(numel, device=device, dtype=torch.float32)
-        return buf[:numel]
-
+    # -- forward/backward hooks (armed on logged steps only): one copy each ---------------
     def _forward_hook(self, name: str):
         n = self.cfg.act_sample
 
         def hook(module, inputs, output):
             out = output[0] if isinstance(output, (tuple, list)) else output
             # A module called twice in one step (SimSiam's two views) is recorded once: the first call.
-            if name in self._act or not torch.is_tensor(out) or not out.is_floating_point():
+            if (name in self.acts or not torch.is_tensor(out) or not out.is_floating_point()
+                    or out.dim() == 0):
                 return
-            sample = out.detach()[:n].float()
-            scratch = self._scratch_for(sample.numel(), sample.device)
-            on_cpu = sample.device.type == "cpu"
-            self._act[name] = mean_ssd_host(sample, scratch) if on_cpu else mean_ssd(sample, scratch)
-            self._act_numel[name] = sample.numel()
+            with torch.no_grad():
+                self.acts.put(name, out[:n] if out.shape[0] > n else out)
             if (self.cfg.per_example and isinstance(module, nn.Linear)
                     and inputs and torch.is_tensor(inputs[0]) and inputs[0].dim() == 2):
                 self._inputs[name] = inputs[0].detach()[:n].float()
@@ -194,213 +202,164 @@ class Probe:
         n = self.cfg.act_sample
 
         def hook(grad: torch.Tensor) -> None:
-            if name in self._act_grad:  # only the main backward, not task-contribution passes
+            if name in self.act_grads:  # only the main backward, not task-contribution passes
                 return
-            g = grad.detach()[:n].float()
             # std is reported without the loss scale; the zero/flush counts are of the
             # values backward actually carried (scaled), which is what fp16 has to hold.
-            scratch = self._scratch_for(g.numel(), g.device)
-            if g.device.type == "cpu":  # host floats (see mean_ssd_host)
-                mean, ssd = mean_ssd_host(g, scratch)
-                # A finite mean means no NaN (nor inf) in the sample: the levels skip the NaN pass.
-                s1, s2 = _level_sum_pair(g, scratch, finite=math.isfinite(mean))
-                self._act_grad[name] = (ssd, float(s1), float(s2))
-            else:
-                self._act_grad[name] = torch.cat([mean_ssd(g, scratch)[1:], level_sums(g, scratch)]).double()
-            self._act_grad_meta[name] = (g.numel(), self.loss_scale)
-            if self.cfg.act_grad_hist:
-                self._act_grad_hist[name] = log2_histogram(g)
-            if name in self._inputs:
-                self._per_example[name] = per_example_stats(
-                    g * (grad.shape[0] / self.loss_scale), self._inputs.pop(name))
+            with torch.no_grad():
+                g = grad[:n] if grad.shape[0] > n else grad
+                self.act_grads.put(name, g, self.loss_scale)
+                if self.cfg.act_grad_hist:
+                    self._act_grad_hist[name] = log2_histogram(g)
+                if name in self._inputs:
+                    self._per_example[name] = per_example_stats(
+                        g.float() * (grad.shape[0] / self.loss_scale), self._inputs.pop(name))
 
         return hook
 
     # -- task contribution ----------------------------------------------------------------
     def _contribution(self, terms: Dict[str, torch.Tensor]) -> None:
-        """Per loss term, the gradient norm that term alone sends to each parameter.
-        Runs after the main backward, which kept the graph (``retain_graph``) for it."""
+        """Per loss term, the gradient norm that term alone sends to each parameter (the
+        tensors it reaches, and their ``kernels.list_norms`` rows). Runs after the main
+        backward, which kept the graph (``retain_graph``) for it."""
         trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         for term_name, term in terms.items():
             grads = torch.autograd.grad(
-                term, [self.params[i] for i in trainable], retain_graph=True, allow_unused=True
-            )
-            values = [torch.full((), float("nan"), device=term.device)] * len(self.params)
+                term, [self.params[i] for i in trainable], retain_graph=True, allow_unused=True)
             present = [(i, g) for i, g in zip(trainable, grads) if g is not None]
-            for (i, _), norm in zip(present, _norms([g.float() for _, g in present])):
-                values[i] = norm
-            self._contrib[term_name] = values
+            if present:
+                self._contrib[term_name] = ([i for i, _ in present],
+                                            list_norms([g.float() for _, g in present]))
+            else:
+                self._contrib[term_name] = ([], None)
 
     # -- gradients (after backward, before the optimizer step) ----------------------------
-    def _collect(self) -> None:
-        grads = [p.grad for p in self.params]
-        have = [i for i, g in enumerate(grads) if g is not None]
-        gs = [grads[i].detach() for i in have]
-        gs_f32 = [g.float() for g in gs]  # a copy only for half-precision gradients: made once
+    def _ensure_layout(self) -> None:
         device = self.params[0].device
-        g_norm = _norms(gs_f32)
-        # This step's own gradient: .grad minus what it carried in (all of .grad after zero_grad).
-        carried = self._carried
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        if self.layout is not None and self.layout.device == device and self._grads.flat.dtype == dtype:
+            return
+        shapes = [p.shape for p in self.params]
+        self.layout = Layout([p.numel() for p in self.params], device)
+        self._grads = self.layout.buffer(shapes, dtype)
+        self._before = self.layout.buffer(shapes, dtype)
         self._carried = None
-        fresh = gs if carried is None else [
-            g if carried[i] is None else g - carried[i] for i, g in zip(have, gs)]
-        fresh_norm = g_norm if carried is None else _norms([f.float() for f in fresh])
-        if self._summing:
-            if self._running is None:
-                self._running = [torch.zeros_like(p, dtype=torch.float64) for p in self.params]
-            for i, f in zip(have, fresh):
-                self._running[i] += f.double()
-        sums = _grad_sums(gs_f32, lambda n: self._scratch_for(n, device))
-        params = [p.detach() for p in self.params]
-        p_norm = _norms([p.float() for p in params])
-        # One copy of the parameters (kept between logged steps) for update/param ratios.
-        if self._buffer is None:
-            self._buffer = [p.clone() for p in params]
-        elif hasattr(torch, "_foreach_copy_"):
-            torch._foreach_copy_(self._buffer, params)
-        else:
-            for b, p in zip(self._buffer, params):
-                b.copy_(p)
-        if gs:
-            # rows: grad norm, the plain sum and the two level sums (std, zero and flush
-            # counts on the host), the norm of this step's own gradient
-            per_grad = torch.cat([torch.stack(g_norm).double()[None], sums,
-                                  torch.stack(fresh_norm).double()[None]])
-        else:
-            per_grad = torch.zeros(5, 0, dtype=torch.float64, device=device)
-        self._pending = {"have": have, "per_grad": per_grad, "p_norm": torch.stack(p_norm).double(),
-                         "grads": gs, "fresh": fresh if self._summing else None}
+        self.stats = self.layout.stats(PARAM_ROWS, dtype)
 
-    # -- after the optimizer step: update ratios and the one host transfer ----------------
+    def _collect(self) -> None:
+        with torch.no_grad():
+            self._ensure_layout()
+            self._reduce_stashes()
+            have = [i for i, p in enumerate(self.params) if p.grad is not None]
+            grads = [self.params[i].grad for i in have]
+            grad_buf, stats = self._grads, self.stats
+            if have:
+                targets = [grad_buf.views[i] for i in have]
+                _copy_(targets, grads)
+                if self._lent:  # the stash's level pass worked here: its pads must be zero again
+                    zero_pads_(grad_buf, self.layout)
+                level_sums_(grad_buf.flat.abs_().view_as(grad_buf.grid), stats, "g_", nan=False)
+                _copy_(targets, grads)
+                if self._carrying:  # this step's own gradient: .grad minus what it carried in
+                    torch.sub(grad_buf.flat, self._carried.flat, out=self._carried.flat)
+                moments_(grad_buf, self.layout, stats, "g_")
+                if self._carrying:
+                    squares(self._carried.grid, stats, "f_", work=grad_buf.grid)
+            fresh = grads if not self._carrying else [self._carried.views[i] for i in have]
+            if self._summing:
+                if self._running is None:
+                    self._running = [torch.zeros_like(p, dtype=torch.float64) for p in self.params]
+                for i, f in zip(have, fresh):
+                    self._running[i] += f.double()
+            _copy_(self._before.views, self.params)
+            squares(self._before.grid, stats, "p_", work=grad_buf.grid)
+        self._pending = {"have": have, "grads": grads, "carried": self._carrying,
+                         "fresh": fresh if self._summing else None}
+
+    def _reduce_stashes(self) -> None:
+        """The hooks' samples, each stash in a fixed number of operations: moments of the
+        outputs; levels and moments of their gradients (levels in a work buffer first)."""
+        self._lent = False
+        if self.act_grads.settle():
+            ag = self.act_grads
+            work = self._work_for(ag.buffer.flat.numel())
+            torch.abs(ag.buffer.flat, out=work)
+            level_sums_(work.view_as(ag.buffer.grid), ag.stats, "", nan=True)
+            moments_(ag.buffer, ag.layout, ag.stats, "")
+        if self.acts.settle():
+            moments_(self.acts.buffer, self.acts.layout, self.acts.stats, "")
+
+    def _work_for(self, numel: int) -> torch.Tensor:
+        """A float32 work buffer of ``numel`` entries: the gradient buffer when it is large
+        enough (it is free until the gradients are copied in), else one kept for this."""
+        flat = self._grads.flat
+        if flat.dtype == torch.float32 and flat.numel() >= numel:
+            self._lent = True
+            return flat[:numel]
+        if self._work is None or self._work.numel() < numel or self._work.device != flat.device:
+            self._work = torch.empty(numel, dtype=torch.float32, device=flat.device)
+        return self._work[:numel]
+
+    # -- after the optimizer step: update norms and the one host transfer -----------------
     def _after_step(self, step: int) -> Dict[str, np.ndarray]:
         pending = self._pending
         self._pending = None
-        params = [p.detach() for p in self.params]
-        if hasattr(torch, "_foreach_sub_"):
-            torch._foreach_sub_(self._buffer, params)  # before - after
-        else:
-            for b, p in zip(self._buffer, params):
-                b.sub_(p)
-        u_norm = torch.stack(_norms([b.float() for b in self._buffer])).double()
-        device = u_norm.device
+        with torch.no_grad():
+            if hasattr(torch, "_foreach_sub_"):
+                torch._foreach_sub_(self._before.views, self.params)  # before - after
+            else:
+                for b, p in zip(self._before.views, self.params):
+                    b.sub_(p)
+            squares(self._before.grid, self.stats, "u_", work=self._grads.grid)
+            parts = {"params": self.stats.data}
+            if self.acts.seen:
+                parts["acts"] = self.acts.stats.data
+            if self.act_grads.seen:
+                parts["act_grads"] = self.act_grads.stats.data
+            if self._summing and pending.get("fresh") is not None and self.lr > 0:
+                parts["residuals"] = self._step_residuals(pending)
+            parts.update(self._optional_parts())
+            host = to_host(parts)  # the one transfer
+        columns = gradient_columns(self, step, host, pending)
+        columns.update(activation_columns(self, host))
+        return columns
+
+    def _optional_parts(self) -> Dict[str, torch.Tensor]:
+        """Per-example variances, histograms and task contributions, where configured."""
+        parts: Dict[str, torch.Tensor] = {}
+        device = self.params[0].device
         mods = self.module_of
-        nan2 = torch.full((2,), float("nan"), device=device)
-        parts = {
-            "per_grad": pending["per_grad"],  # 5 x (tensors with a gradient)
-            "param_norm": pending["p_norm"],
-            "update_norm": u_norm,
-            "act": _stat_rows([self._act.get(m) for m in mods], 2, device),  # mean, ssd
-            "act_grad": _stat_rows([self._act_grad.get(m) for m in mods], 3, device),  # ssd, s1, s2
-            "residuals": self._step_residuals(pending),  # 2 x n
-            "per_example": torch.stack([self._per_example.get(m, nan2) for m in mods]),
-        }
-        if self._act_grad_hist:  # optional: one row of HIST_COLUMNS counts per module
-            nan_h = torch.full((len(HIST_COLUMNS),), float("nan"), device=device)
+        if self._per_example:
+            nan2 = torch.full((2,), math.nan, device=device)
+            parts["per_example"] = torch.stack([self._per_example.get(m, nan2) for m in mods])
+        if self._act_grad_hist:
+            nan_h = torch.full_like(next(iter(self._act_grad_hist.values())), math.nan)
             parts["hist"] = torch.stack([self._act_grad_hist.get(m, nan_h) for m in mods])
-        for name, values in self._contrib.items():
-            parts[f"contrib_{name}"] = torch.stack(values)
-        host = to_host(parts)  # the one transfer
-        columns = self._gradient_columns(step, host, pending)
-        columns.update(self._activation_columns(host))
-        for name in self._contrib:
-            columns[f"contrib_{name}"] = host[f"contrib_{name}"]
-        return columns
-
-    def _gradient_columns(self, step: int, host: Dict[str, np.ndarray], pending: dict) -> Dict[str, np.ndarray]:
-        n = len(self.params)
-        per_grad, p_norm = host["per_grad"], host["param_norm"]
-        have_idx = np.asarray(pending["have"], dtype=np.int64)
-        have = np.zeros(n, dtype=bool)
-        have[have_idx] = True
-        g_norm, fresh_norm = np.full(n, np.nan), np.full(n, np.nan)
-        nonzero, small = np.zeros(n), np.zeros(n)
-        g_norm[have], fresh_norm[have] = per_grad[0], per_grad[4]
-        zeros, small[have] = counts_from_level_sums(self.numel[have], per_grad[2], per_grad[3])
-        nonzero[have] = self.numel[have] - zeros
-        g_std = np.full(n, np.nan)
-        g_std[have] = grad_std_from_sums(per_grad[0], per_grad[1], self.numel[have], zeros)
-        for j in np.flatnonzero(np.isnan(g_std[have_idx]) & (self.numel[have_idx] > 1)):
-            g_std[have_idx[j]] = float(pending["grads"][j].float().std())  # rare: two passes, one sync
-        nonfinite = np.zeros(n)
-        for j in np.flatnonzero(~np.isfinite(g_norm[have_idx])):  # rare: count exactly, one extra sync
-            i, g = have_idx[j], pending["grads"][j]
-            nonfinite[i] = float((~torch.isfinite(g)).sum())
-            nonzero[i] = float(torch.count_nonzero(g))
-            small[i] = float((g.float().abs() <= FP16_FLUSH).sum())
-        numel = np.maximum(self.numel, 1)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            # A zero-initialised tensor (a bias, BN's beta) has no meaningful ratio: NaN.
-            safe_p = np.where(p_norm > 0, p_norm, np.nan)
-            g_to_p = g_norm / safe_p
-            u_to_p = host["update_norm"] / safe_p
-            g_to_decay = g_to_p / self.weight_decay if self.weight_decay > 0 else np.full(n, np.nan)
-            flush = np.where(nonzero > 0, (small - (self.numel - nonzero)) / nonzero, np.nan)
-        resid = host["residuals"]
-        return {
-            "step": np.full(n, step, dtype=np.int64),
-            "module": np.array(self.module_of, dtype=object),
-            "param": np.array(self.param_of, dtype=object),
-            "param_type": np.array(self.kind_of, dtype=object),
-            "numel": self.numel.astype(np.int64),
-            "grad_state": grad_states(have, nonfinite, nonzero, g_to_p, p_norm, self.cfg.tiny_factor),
-            "grad_norm": g_norm,
-            # This step's backward alone; equals grad_norm unless .grad carried a sum in.
-            "fresh_grad_norm": fresh_norm,
-            # Over the first probe.running_sum_steps steps (NaN after): the step taken, read as
-            # a gradient (update / lr), against the fresh gradient and against the probe's own
-            # running sum of fresh gradients; ||a - b|| / ||b||. Plain SGD (no momentum or weight
-            # decay) steps with the fresh gradient when zero_grad runs, with the sum when it does not.
-            "step_vs_fresh": resid[0],
-            "step_vs_running_sum": resid[1],
-            "grad_std": g_std,
-            "param_norm": p_norm,
-            "grad_to_param": g_to_p,
-            "update_to_param": u_to_p,
-            "grad_to_decay": g_to_decay,
-            "frac_none": (~have).astype(np.float64),
-            "frac_zero": np.where(have, (self.numel - nonzero) / numel, np.nan),
-            "frac_nonfinite": np.where(have, nonfinite / numel, np.nan),
-            "frac_fp16_underflow": flush,
-        }
-
-    def _activation_columns(self, host: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-        mods = self.module_of
-        act = host["act"].copy()
-        act_numel = np.array([self._act_numel.get(m, np.nan) for m in mods], dtype=float)
-        act[:, 1] = _std(act[:, 1], act_numel)
-        raw = host["act_grad"]  # ssd, level sums s1, s2
-        meta = np.array([self._act_grad_meta.get(m, (np.nan, np.nan)) for m in mods],
-                        dtype=float).reshape(len(mods), 2)  # numel, loss scale
-        zeros, small = counts_from_level_sums(meta[:, 0], raw[:, 1], raw[:, 2])
-        flushing, nonzero = small - zeros, meta[:, 0] - zeros
-        with np.errstate(divide="ignore", invalid="ignore"):
-            columns = {
-                "act_mean": act[:, 0],
-                "act_std": act[:, 1],
-                "act_grad_std": _std(raw[:, 0], meta[:, 0]) / meta[:, 1],
-                "act_grad_frac_zero": zeros / (zeros + nonzero),
-                "act_grad_frac_fp16_underflow": np.where(nonzero > 0, flushing / nonzero, np.nan),
-            }
-        if "hist" in host:
-            columns.update({col: host["hist"][:, j] for j, col in enumerate(HIST_COLUMNS)})
-        if self.cfg.per_example:
-            columns["pe_act_grad_var"] = host["per_example"][:, 0]
-            columns["pe_grad_var"] = host["per_example"][:, 1]
-        return columns
+        for name, (_, rows) in self._contrib.items():
+            if rows is not None:
+                parts[f"contrib_{name}"] = rows
+        return parts
 
     def _step_residuals(self, pending: dict) -> torch.Tensor:
         """2 x n: relative distance of (update / lr) from the fresh gradient and from the
-        running sum, per tensor; NaN outside the running-sum window. Uses ``self._buffer``,
-        which ``_after_step`` has just turned into (before - after) = lr x the stepped gradient."""
+        running sum, per tensor; NaN for tensors without a gradient. Uses ``_before``, which
+        ``_after_step`` has just turned into (before - after) = lr x the stepped gradient.
+        Only in the running-sum window (the first ``probe.running_sum_steps`` steps)."""
         n = len(self.params)
-        device = self._buffer[0].device
+        device = self._before.flat.device
         out = torch.full((2, n), float("nan"), dtype=torch.float64, device=device)
-        fresh = pending.get("fresh")
-        if fresh is None or not self._summing or not (self.lr > 0):
-            return out
         for j, i in enumerate(pending["have"]):
-            stepped = self._buffer[i].double() / self.lr
-            for row, target in ((0, fresh[j].double()), (1, self._running[i])):
+            stepped = self._before.views[i].double() / self.lr
+            for row, target in ((0, pending["fresh"][j].double()), (1, self._running[i])):
                 denom = torch.linalg.vector_norm(target)
                 out[row, i] = torch.linalg.vector_norm(stepped - target) / denom
         return out
+
+
+def _copy_(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """``targets[i].copy_(sources[i])`` for all i, in one multi-tensor copy where torch has it."""
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(list(targets), list(sources))
+    else:  # the plain path (torch < 2.1)
+        for t, s in zip(targets, sources):
+            t.copy_(s)

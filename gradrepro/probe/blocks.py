@@ -1,0 +1,166 @@
+"""Many tensors as one flat buffer of fixed-size blocks, reduced a block at a time.
+
+Each tensor (a *segment*) starts at a block boundary and the rest of its last block is zero
+padding, so the buffer is a ``(blocks, BLOCK)`` matrix: one reduction along its rows gives a
+statistic for every block of every tensor at once, and a per-block value broadcasts back
+with a ``(blocks, 1)`` column. A logged step therefore costs a fixed number of operations
+whatever the number of tensors (``torch.sum(dim=1)``, ``linalg.vector_norm(dim=1)``,
+in-place element-wise passes), all on the device. The per-block rows go to the host in the
+probe's one transfer, where float64 sums by segment (``np.bincount``) finish the statistics.
+
+Numerics (tested in tests/test_probe_kernels.py):
+- Sums of squares are kept twice per block, of ``x`` and of ``x`` times 2^100 (or 2^-100),
+  and the host picks one per block (``kernels.squares_from_norms``): gradients of 1e-30 get
+  their true norm on any device, also beside entries of 1 in the same tensor.
+- Spreads are two-pass: each block is centred on its own float32 mean ``c`` and keeps
+  ``sum(x - c)`` beside ``sum((x - c)^2)``; the host combines blocks with the pairwise
+  (Chan et al. 1979) update, so a large mean over a tiny spread (a collapsed layer) is exact.
+- Zero and fp16-flush counts come from levels 0/1/2 (``kernels.levels_``): per block the sum
+  of levels and their norm are integers below 2^13 and 2^15, exact in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from gradrepro.probe.kernels import (
+    SCALE_DOWN,
+    SCALE_UP,
+    counts_from_level_sums,
+    levels_,
+    lo_scale,
+    squares_from_norms,
+)
+
+BLOCK = 2048
+
+MOMENT_ROWS = ("sum", "centre", "dsum", "hi", "lo")  # per block: sum, c, sum(x - c), |x - c| twice
+SQUARE_ROWS = ("hi", "lo")  # per block: |x|, |x * 2^100|
+LEVEL_ROWS = ("l1", "l2")  # per block: sum of levels, norm of levels
+
+
+class Layout:
+    """Where each segment's entries sit in a block buffer; host arrays for the float64 sums."""
+
+    def __init__(self, numels: Sequence[int], device: torch.device, block: Optional[int] = None) -> None:
+        block = block or BLOCK
+        self.block, self.device = block, torch.device(device)
+        self.numel = np.asarray(numels, dtype=np.int64).reshape(-1)
+        count = -(-self.numel // block)  # blocks per segment (0 for an empty tensor)
+        self.first = np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int64)
+        self.blocks = int(count.sum())
+        self.segment = np.repeat(np.arange(len(self.numel)), count)  # segment of each block
+        real = np.full(self.blocks, float(block))
+        last = (self.first + count - 1)[count > 0]
+        real[last] = (self.numel - (count - 1) * block)[count > 0]
+        self.real = real  # entries of each block that belong to its segment
+        self.real_t = torch.tensor(real, dtype=torch.float32, device=self.device)
+        pads = [np.arange(f * block + n, (f + c) * block)
+                for f, n, c in zip(self.first, self.numel, count) if n % block]
+        self.pads = (torch.tensor(np.concatenate(pads), dtype=torch.int64, device=self.device)
+                     if pads else None)
+
+    def buffer(self, shapes: Sequence[Tuple[int, ...]], dtype=torch.float32) -> "Buffer":
+        return Buffer(self, shapes, dtype)
+
+    def stats(self, rows: Sequence[str], dtype=torch.float32) -> "Stats":
+        return Stats(self, rows, dtype)
+
+    def segment_sum(self, per_block: np.ndarray) -> np.ndarray:
+        """float64 sums of per-block values by segment (an empty segment sums to 0)."""
+        return np.bincount(self.segment, weights=per_block, minlength=len(self.numel))
+
+
+class Buffer:
+    """One flat zero-padded buffer of a layout: ``grid`` (blocks x BLOCK) and, per segment, a
+    view of the given shape (the copy target for that tensor)."""
+
+    def __init__(self, layout: Layout, shapes: Sequence[Tuple[int, ...]], dtype) -> None:
+        self.flat = torch.zeros(layout.blocks * layout.block, dtype=dtype, device=layout.device)
+        self.grid = self.flat.view(layout.blocks, layout.block)
+        self.views: List[torch.Tensor] = [
+            self.flat.narrow(0, int(f) * layout.block, int(n)).view(shape)
+            for f, n, shape in zip(layout.first, layout.numel, shapes)]
+
+
+class Stats:
+    """Named per-block rows of one tensor (the device side of the one transfer)."""
+
+    def __init__(self, layout: Layout, rows: Sequence[str], dtype) -> None:
+        self.data = torch.zeros(len(rows), layout.blocks, dtype=dtype, device=layout.device)
+        self.row: Dict[str, torch.Tensor] = {name: self.data[i] for i, name in enumerate(rows)}
+        self.column = {name: r.view(-1, 1) for name, r in self.row.items()}  # broadcast views
+        self.names = tuple(rows)
+        self.scales = tuple(torch.tensor(s, dtype=dtype, device=layout.device)
+                            for s in (SCALE_UP, SCALE_DOWN))
+
+
+# -- device passes (a fixed number of operations each, whatever the number of segments) ----
+
+
+def moments_(buf: Buffer, layout: Layout, stats: Stats, prefix: str) -> None:
+    """Per block: sum, centre ``c``, ``sum(x - c)`` and the two norms of ``x - c`` into
+    ``stats`` rows ``prefix + MOMENT_ROWS``. Leaves ``x - c`` scaled by 2^100 in ``buf``
+    (pads back to zero)."""
+    row, grid = stats.row, buf.grid
+    torch.sum(grid, 1, out=row[prefix + "sum"])
+    torch.div(row[prefix + "sum"], layout.real_t, out=row[prefix + "centre"])
+    grid.sub_(stats.column[prefix + "centre"])
+    zero_pads_(buf, layout)
+    torch.sum(grid, 1, out=row[prefix + "dsum"])
+    squares(grid, stats, prefix, work=grid)
+
+
+def zero_pads_(buf: Buffer, layout: Layout) -> None:
+    if layout.pads is not None:
+        buf.flat.index_fill_(0, layout.pads, 0.0)
+
+
+def squares(grid: torch.Tensor, stats: Stats, prefix: str, work: torch.Tensor) -> None:
+    """Per block, the norms of ``x`` and of ``x * kernels.lo_scale(that norm)`` (written
+    into ``work``, which may be ``grid`` itself) into rows ``prefix + "hi"``, ``"lo"``."""
+    torch.linalg.vector_norm(grid, dim=1, out=stats.row[prefix + "hi"])
+    torch.mul(grid, lo_scale(stats.column[prefix + "hi"], *stats.scales), out=work)
+    torch.linalg.vector_norm(work, dim=1, out=stats.row[prefix + "lo"])
+
+
+def level_sums_(grid: torch.Tensor, stats: Stats, prefix: str, nan: bool = True) -> None:
+    """Per block, the sum and the norm of the levels of ``|grid|`` (``kernels.levels_``, in
+    place: ``grid`` must already hold absolute values) into ``prefix + LEVEL_ROWS``."""
+    levels_(grid, nan=nan)
+    torch.sum(grid, 1, out=stats.row[prefix + "l1"])
+    torch.linalg.vector_norm(grid, dim=1, out=stats.row[prefix + "l2"])
+
+
+# -- the host side: float64 sums by segment --------------------------------------------
+
+
+def segment_squares(layout: Layout, rows: Dict[str, np.ndarray], prefix: str) -> np.ndarray:
+    """Per segment, the sum of squares of its entries (rows of ``squares``)."""
+    return layout.segment_sum(squares_from_norms(rows[prefix + "hi"], rows[prefix + "lo"], layout.real))
+
+
+def segment_moments(layout: Layout, rows: Dict[str, np.ndarray], prefix: str):
+    """Per segment: mean, sum of squared deviations from it, and sum of squares (rows of
+    ``moments_``); NaN where a block held NaN or inf."""
+    n_b, c, d = layout.real, rows[prefix + "centre"], rows[prefix + "dsum"]
+    q = squares_from_norms(rows[prefix + "hi"], rows[prefix + "lo"], n_b)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        mean_b = c + d / n_b
+        ssd_b = np.maximum(q - d * d / n_b, 0.0)
+        n = layout.segment_sum(n_b)
+        mean = layout.segment_sum(n_b * mean_b) / n
+        spread = n_b * (mean_b - mean[layout.segment]) ** 2
+        ssd = layout.segment_sum(ssd_b) + layout.segment_sum(spread)
+        return mean, ssd, ssd + np.where(n > 0, n * mean * mean, 0.0)  # empty: 0, as a norm
+
+
+def segment_counts(layout: Layout, rows: Dict[str, np.ndarray], prefix: str):
+    """Per segment: zero entries, and entries with |x| <= FP16_FLUSH (zeros included)."""
+    s1, norm = rows[prefix + "l1"], rows[prefix + "l2"]
+    # Pads are zeros of level 0: counting against the block's real entries leaves them out.
+    zeros, small = counts_from_level_sums(layout.real, s1, np.rint(norm * norm))
+    return layout.segment_sum(zeros), layout.segment_sum(small)

@@ -1,0 +1,69 @@
+"""The hooks' samples of one logged step, copied into one block buffer and reduced together
+after backward: a hook costs one copy (and the slice that takes ``act_sample`` examples),
+whatever it will be reduced to.
+
+A module's slot is a view of the buffer shaped like its sample. The first logged step (or a
+step whose shapes changed: another batch size, a module seen for the first time) lays the
+buffer out anew from what the hooks saw; every later step copies straight into the slots.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional
+
+import torch
+
+from gradrepro.probe.blocks import Buffer, Layout, Stats
+
+
+class Stash:
+    """Per module name, one float32 sample a hook saw this step, and a value beside it."""
+
+    def __init__(self, rows) -> None:
+        self.rows = rows  # the per-block statistics the probe reduces this stash to
+        self.layout: Optional[Layout] = None
+        self.buffer: Optional[Buffer] = None
+        self.stats: Optional[Stats] = None
+        self.index: Dict[str, int] = {}  # module name -> segment of the layout
+        self._slots: Dict[str, torch.Tensor] = {}
+        self.seen: Dict[str, float] = {}  # modules recorded this step, with their value
+        self._loose: Dict[str, torch.Tensor] = {}
+
+    def begin(self) -> None:
+        self.seen.clear()
+        self._loose.clear()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.seen
+
+    def put(self, name: str, sample: torch.Tensor, value: float = math.nan) -> None:
+        """Copy ``sample`` into the module's slot (one operation), or keep a float32 copy
+        aside until ``settle`` lays out a buffer that has a slot for it."""
+        slot = self._slots.get(name)
+        if slot is not None and slot.shape == sample.shape and slot.device == sample.device:
+            slot.copy_(sample)
+        else:
+            self._loose[name] = sample.to(torch.float32, copy=True)
+        self.seen[name] = value
+
+    def settle(self) -> bool:
+        """After backward: every sample of this step in the buffer. False when there is none."""
+        if not self.seen:
+            return False
+        if self._loose:
+            self._lay_out()
+        return True
+
+    def _lay_out(self) -> None:
+        samples = {name: self._loose.get(name, self._slots.get(name)) for name in self.seen}
+        device = next(iter(samples.values())).device
+        shapes = [tuple(s.shape) for s in samples.values()]
+        self.layout = Layout([math.prod(shape) for shape in shapes], device)
+        self.buffer = self.layout.buffer(shapes)
+        self.stats = self.layout.stats(self.rows)
+        self.index = {name: i for i, name in enumerate(samples)}
+        self._slots = dict(zip(samples, self.buffer.views))
+        for name, sample in samples.items():
+            self._slots[name].copy_(sample)
+        self._loose.clear()
