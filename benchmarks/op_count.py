@@ -57,7 +57,7 @@ def count_step(tool, step: int) -> OpCounter:
     return counter
 
 
-def ops_rows(models: Sequence[str], batch_sizes: Dict[str, int], warm_steps: int = 3) -> List[dict]:
+def ops_rows(models: Sequence[str], batch_sizes: Dict[str, int], warm_steps: int = 2) -> List[dict]:
     """Per model: ``bare_ops`` (one bare step), ``probe_ops`` and ``probe_syncs`` (what the
     probe adds to one logged step: the probe's step minus the bare step). Both tools first
     run ``warm_steps`` logged steps, so that the probe's buffers are laid out (the first

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,3 +40,33 @@ def test_overhead_benchmark_quick_run_writes_rows(tmp_path):
     assert every4["own_ratio"] == pytest.approx(every4["step_s"] / every4["unlogged_s"])
     assert "own_ratio" not in next(r for r in rows if r["tool"] == "gradrepro" and r["every"] == 1)
     assert "| plain30 | gradrepro | 4 |" in proc.stdout  # the printed table
+
+
+def test_op_counter_sees_host_waits_and_nothing_else():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from op_count import OpCounter
+
+    x = torch.ones(3)
+    with OpCounter() as c:
+        y = x + 1
+        y.sum().item()  # a scalar read
+        y.to("cpu", copy=True)  # an explicit copy to the host
+        torch.cat([y, y])
+    assert (c.ops, c.syncs) == (5, 2)
+
+
+def test_probe_adds_fewer_operations_per_logged_step_than_the_bare_step(tmp_path):
+    # The target of the probe's design (benchmarks/README.md): on a GPU every operation is a
+    # kernel launch, so a logged step may add at most the bare step's own count, and the
+    # host waits for the device once (the one transfer).
+    out = tmp_path / "ops.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--ops-only",
+           "--batch", "9", "--threads", "1", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["model"] for r in rows} == {"cifar10_3c3d", "resnet18", "plain30"}
+    for r in rows:
+        assert 0 < r["probe_ops"] <= r["bare_ops"], r
+        assert r["probe_syncs"] == 1, r  # the one transfer, and it is seen

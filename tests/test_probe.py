@@ -141,3 +141,95 @@ def test_task_contribution_splits_gradient_by_loss_term():
     # The zero-weighted term sends nothing; the other term sends the whole gradient.
     np.testing.assert_allclose(cols["contrib_second"], 0.0, atol=1e-12)
     np.testing.assert_allclose(cols["contrib_first"], cols["grad_norm"], rtol=1e-5)
+
+
+def _reference_columns(net, x, scale, grads=None, lr=0.1):
+    """float64 references for one SGD step of ``net`` on ``scale * sum(out^2)``, with
+    ``grads`` (name -> tensor) written over .grad after backward."""
+    params = dict(net.named_parameters())
+    before = {n: p.detach().double().clone() for n, p in params.items()}
+    hidden = net[0](x)
+    hidden.retain_grad()
+    out = net[2](net[1](hidden))
+    out.retain_grad()
+    (out.pow(2).sum() * scale).backward()
+    for name, g in (grads or {}).items():
+        params[name].grad = g.clone()
+    g64 = {n: p.grad.double() for n, p in params.items()}
+    torch.optim.SGD(net.parameters(), lr=lr).step()
+    # The update actually taken: lr * 1e-30 is below a float32 weight's precision, so there
+    # the parameters do not move, and update_to_param must read 0, not lr * grad_to_param.
+    moved = {n: (before[n] - p.detach().double()).norm().item() for n, p in params.items()}
+    ref = {n: {"grad_norm": g.norm().item(), "grad_std": g.std().item(),
+               "grad_to_param": g.norm().item() / before[n].norm().item(),
+               "update_to_param": moved[n] / before[n].norm().item()}
+           for n, g in g64.items()}
+    act_grad = {"0": hidden.grad.double().std().item(), "2": out.grad.double().std().item()}
+    return ref, act_grad
+
+
+@pytest.mark.parametrize("case", ["tiny", "zero", "mixed", "subnormal"])
+def test_norms_stds_and_ratios_hold_for_tiny_zero_and_mixed_gradients(case):
+    # Entries of 1e-30 square to 1e-60, below float32's range: a plain float32 norm reads 0
+    # there (on CPU and CUDA alike); the probe must read the float64 value.
+    torch.manual_seed(0)
+    x = torch.randn(6, 20)
+    scale = {"tiny": 1e-30, "zero": 0.0, "mixed": 1.0, "subnormal": 1e-40}[case]
+    grads = None
+    if case == "mixed":  # one tensor spanning blocks: 1e-30 in the first block, ~1 after
+        g = torch.randn(300, 20)
+        g.view(-1)[:3000] *= 1e-30
+        grads = {"0.weight": g}
+    ref_net = nn.Sequential(nn.Linear(20, 300), nn.ReLU(), nn.Linear(300, 5))
+    net = nn.Sequential(nn.Linear(20, 300), nn.ReLU(), nn.Linear(300, 5))
+    net.load_state_dict(ref_net.state_dict())
+    ref, act_grad = _reference_columns(ref_net, x, scale, grads)
+    probe = Probe(net, ProbeConfig(every=1, act_sample=1000), total_steps=1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with probe.step(0, lr=0.1) as p:
+        (net(x).pow(2).sum() * scale).backward()
+        for name, g in (grads or {}).items():
+            dict(net.named_parameters())[name].grad = g.clone()
+        p.collect()
+        opt.step()
+    cols = p.columns
+    for i, (module, param) in enumerate(zip(cols["module"], cols["param"])):
+        for column, expected in ref[f"{module}.{param}"].items():
+            assert cols[column][i] == pytest.approx(expected, rel=1e-5, abs=0.0), (module, param, column)
+        assert cols["act_grad_std"][i] == pytest.approx(act_grad[module], rel=1e-5, abs=0.0)
+    if case in ("tiny", "subnormal"):
+        assert (cols["grad_norm"] > 0).all() and (cols["grad_state"] == "finite").all()
+    if case == "zero":
+        assert (cols["grad_state"] == "zero").all() and (cols["grad_std"] == 0).all()
+
+
+def test_layouts_follow_changing_batches_and_modules_seen_or_not():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.skip = nn.Linear(4, 8), nn.Linear(8, 3), nn.Linear(4, 3)
+
+        def forward(self, x, use_skip):
+            return self.b(torch.relu(self.a(x))) + (self.skip(x) if use_skip else 0.0)
+
+    torch.manual_seed(0)
+    net = Net()
+    probe = Probe(net, ProbeConfig(every=1, act_sample=5), total_steps=10)
+    for step, (batch, use_skip) in enumerate([(7, True), (7, False), (3, False), (9, True)]):
+        x = torch.randn(batch, 4)
+        net.zero_grad()
+        with probe.step(step) as p:
+            hidden = net.a(x)
+            out = net(x, use_skip)
+            out.sum().backward()
+            p.collect()
+        cols = p.columns
+        rows = {(m, q): i for i, (m, q) in enumerate(zip(cols["module"], cols["param"]))}
+        assert cols["act_mean"][rows["a", "weight"]] == pytest.approx(hidden[:5].double().mean().item(), rel=1e-5)
+        assert cols["act_std"][rows["a", "weight"]] == pytest.approx(hidden[:5].double().std().item(), rel=1e-5)
+        assert cols["grad_norm"][rows["b", "weight"]] == pytest.approx(net.b.weight.grad.norm().item(), rel=1e-5)
+        skip = rows["skip", "weight"]
+        if use_skip:
+            assert cols["act_mean"][skip] == pytest.approx(net.skip(x)[:5].double().mean().item(), rel=1e-5)
+        else:  # not called this step: no activation statistics, no gradient
+            assert np.isnan(cols["act_mean"][skip]) and cols["grad_state"][skip] == "none"

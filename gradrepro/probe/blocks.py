@@ -58,10 +58,13 @@ class Layout:
         real[last] = (self.numel - (count - 1) * block)[count > 0]
         self.real = real  # entries of each block that belong to its segment
         self.real_t = torch.tensor(real, dtype=torch.float32, device=self.device)
-        pads = [np.arange(f * block + n, (f + c) * block)
-                for f, n, c in zip(self.first, self.numel, count) if n % block]
-        self.pads = (torch.tensor(np.concatenate(pads), dtype=torch.int64, device=self.device)
-                     if pads else None)
+        # The blocks with padding (each segment's last, unless it is full), and per such block
+        # a row of 1 (its entries) and 0 (the padding): zero_pads_ works on whole rows, which
+        # copy as a unit, where an index per padding entry is several passes' worth on CPU.
+        partial = last[real[last] < block]
+        self.partial = torch.tensor(partial, dtype=torch.int64, device=self.device) if len(partial) else None
+        mask = np.arange(block)[None, :] < real[partial][:, None]
+        self.tail_mask = torch.tensor(mask, dtype=torch.float32, device=self.device)
 
     def buffer(self, shapes: Sequence[Tuple[int, ...]], dtype=torch.float32) -> "Buffer":
         return Buffer(self, shapes, dtype)
@@ -115,8 +118,9 @@ def moments_(buf: Buffer, layout: Layout, stats: Stats, prefix: str) -> None:
 
 
 def zero_pads_(buf: Buffer, layout: Layout) -> None:
-    if layout.pads is not None:
-        buf.flat.index_fill_(0, layout.pads, 0.0)
+    if layout.partial is not None:
+        grid = buf.grid
+        grid.index_copy_(0, layout.partial, grid.index_select(0, layout.partial).mul_(layout.tail_mask))
 
 
 def squares(grid: torch.Tensor, stats: Stats, prefix: str, work: torch.Tensor) -> None:

@@ -39,7 +39,6 @@ from gradrepro.probe.blocks import (
     level_sums_,
     moments_,
     squares,
-    zero_pads_,
 )
 from gradrepro.probe.columns import activation_columns, gradient_columns
 from gradrepro.probe.kernels import list_norms, log2_histogram, per_example_stats, to_host
@@ -126,7 +125,6 @@ class Probe:
         self._carried: Optional[Buffer] = None
         self._carrying = False
         self._work: Optional[torch.Tensor] = None
-        self._lent = False  # the gradient buffer served as work this step (its pads are not zero)
         self.acts = Stash(MOMENT_ROWS)  # module outputs, first call of the step
         self.act_grads = Stash(MOMENT_ROWS + LEVEL_ROWS)  # gradients at module outputs
         self._handles: list = []
@@ -256,8 +254,6 @@ class Probe:
             if have:
                 targets = [grad_buf.views[i] for i in have]
                 _copy_(targets, grads)
-                if self._lent:  # the stash's level pass worked here: its pads must be zero again
-                    zero_pads_(grad_buf, self.layout)
                 level_sums_(grad_buf.flat.abs_().view_as(grad_buf.grid), stats, "g_", nan=False)
                 _copy_(targets, grads)
                 if self._carrying:  # this step's own gradient: .grad minus what it carried in
@@ -278,27 +274,25 @@ class Probe:
 
     def _reduce_stashes(self) -> None:
         """The hooks' samples, each stash in a fixed number of operations: moments of the
-        outputs; levels and moments of their gradients (levels in a work buffer first)."""
-        self._lent = False
-        if self.act_grads.settle():
-            ag = self.act_grads
-            work = self._work_for(ag.buffer.flat.numel())
+        outputs; levels and moments of their gradients (the levels need a copy of the
+        gradients' absolute values: in the outputs' buffer once its moments are taken, when
+        the two share a layout, as they do when every hooked output requires grad)."""
+        acts, ag = self.acts, self.act_grads
+        if acts.settle():
+            moments_(acts.buffer, acts.layout, acts.stats, "")
+        if ag.settle(like=acts):
+            work = acts.buffer.flat if ag.layout is acts.layout else self._work_for(ag)
             torch.abs(ag.buffer.flat, out=work)
             level_sums_(work.view_as(ag.buffer.grid), ag.stats, "", nan=True)
             moments_(ag.buffer, ag.layout, ag.stats, "")
-        if self.acts.settle():
-            moments_(self.acts.buffer, self.acts.layout, self.acts.stats, "")
 
-    def _work_for(self, numel: int) -> torch.Tensor:
-        """A float32 work buffer of ``numel`` entries: the gradient buffer when it is large
-        enough (it is free until the gradients are copied in), else one kept for this."""
-        flat = self._grads.flat
-        if flat.dtype == torch.float32 and flat.numel() >= numel:
-            self._lent = True
-            return flat[:numel]
-        if self._work is None or self._work.numel() < numel or self._work.device != flat.device:
-            self._work = torch.empty(numel, dtype=torch.float32, device=flat.device)
-        return self._work[:numel]
+    def _work_for(self, stash: Stash) -> torch.Tensor:
+        """A buffer of ``stash``'s size kept for its level pass (its pads stay zero: only
+        copies of the stash's own buffer are written into it)."""
+        flat = stash.buffer.flat
+        if self._work is None or self._work.shape != flat.shape or self._work.device != flat.device:
+            self._work = torch.zeros_like(flat)
+        return self._work
 
     # -- after the optimizer step: update norms and the one host transfer -----------------
     def _after_step(self, step: int) -> Dict[str, np.ndarray]:

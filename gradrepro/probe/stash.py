@@ -47,20 +47,35 @@ class Stash:
             self._loose[name] = sample.to(torch.float32, copy=True)
         self.seen[name] = value
 
-    def settle(self) -> bool:
-        """After backward: every sample of this step in the buffer. False when there is none."""
+    def settle(self, like: Optional["Stash"] = None) -> bool:
+        """After backward: every sample of this step in the buffer. False when there is none.
+        ``like``: a stash whose layout this one takes where both hold the same modules with
+        the same shapes (the gradients at module outputs have the outputs' shapes), so that
+        the two buffers are interchangeable (``Probe`` lends one to the other as work space)."""
         if not self.seen:
             return False
-        if self._loose:
-            self._lay_out()
+        if self._loose or (like is not None and self.layout is not like.layout and self._fits(like)):
+            self._lay_out(like if like is not None and self._fits(like) else None)
         return True
 
-    def _lay_out(self) -> None:
-        samples = {name: self._loose.get(name, self._slots.get(name)) for name in self.seen}
-        device = next(iter(samples.values())).device
-        shapes = [tuple(s.shape) for s in samples.values()]
-        self.layout = Layout([math.prod(shape) for shape in shapes], device)
-        self.buffer = self.layout.buffer(shapes)
+    def _samples(self) -> Dict[str, torch.Tensor]:
+        return {name: self._loose.get(name, self._slots.get(name)) for name in self.seen}
+
+    def _fits(self, like: "Stash") -> bool:
+        if like.layout is None or set(self.seen) != set(like.index):
+            return False
+        return all(tuple(s.shape) == tuple(like._slots[name].shape) for name, s in self._samples().items())
+
+    def _lay_out(self, like: Optional["Stash"]) -> None:
+        samples = self._samples()
+        if like is not None:  # the same layout object, in the other stash's order
+            samples = {name: samples[name] for name in like.index}
+            self.layout = like.layout
+        else:
+            shapes = [tuple(s.shape) for s in samples.values()]
+            device = next(iter(samples.values())).device
+            self.layout = Layout([math.prod(shape) for shape in shapes], device)
+        self.buffer = self.layout.buffer([tuple(s.shape) for s in samples.values()])
         self.stats = self.layout.stats(self.rows)
         self.index = {name: i for i, name in enumerate(samples)}
         self._slots = dict(zip(samples, self.buffer.views))
