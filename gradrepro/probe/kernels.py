@@ -29,10 +29,16 @@ HIST_COLUMNS = (
 )
 
 
+_EDGES: Dict[torch.device, torch.Tensor] = {}  # HIST_EDGES per device, made once (a copy to a
+# GPU makes the host wait for it)
+
+
 def log2_histogram(g: torch.Tensor) -> torch.Tensor:
     """Counts of |g| per HIST_COLUMNS bin, in one bucketize and one bincount (no host sync)."""
     a = g.detach().abs().float().reshape(-1)
-    edges = torch.tensor(HIST_EDGES, dtype=torch.float32, device=a.device)
+    edges = _EDGES.get(a.device)
+    if edges is None:
+        edges = _EDGES[a.device] = torch.tensor(HIST_EDGES, dtype=torch.float32, device=a.device)
     # right=True: index i holds edges[i-1] <= log2|g| < edges[i]; 0 is below 2^-40 (and zero).
     idx = torch.bucketize(torch.log2(a), edges, right=True) + 1
     idx = torch.where(a == 0, torch.zeros_like(idx), idx)  # the exact-zero bin

@@ -41,49 +41,16 @@ from gradrepro.probe.blocks import (
     squares,
 )
 from gradrepro.probe.columns import activation_columns, gradient_columns
-from gradrepro.probe.kernels import list_norms, log2_histogram, per_example_stats, to_host
+from gradrepro.probe.extras import contribution_norms, optional_parts, step_residuals
+from gradrepro.probe.kernels import log2_histogram, per_example_stats, to_host
 from gradrepro.probe.stash import Stash
 from gradrepro.probe.states import module_kind
+from gradrepro.probe.step import ProbeStep
 
 # Per block of the parameter layout: the gradient's moments and levels, this step's own
 # gradient (when .grad carried a sum in), the parameters before the step and the update.
 PARAM_ROWS = (tuple("g_" + r for r in MOMENT_ROWS + LEVEL_ROWS)
               + tuple(p + r for p in ("f_", "p_", "u_") for r in SQUARE_ROWS))
-
-
-class ProbeStep:
-    """The probe's part of one training step (``Probe.step``); ``columns`` after the block."""
-
-    def __init__(self, probe: "Probe", step: int, lr: float, loss_scale: float, logged: bool) -> None:
-        self.probe, self.step, self.logged = probe, step, logged
-        self.columns: Optional[Dict[str, np.ndarray]] = None
-        probe.lr, probe.loss_scale = lr, loss_scale
-
-    def __enter__(self) -> "ProbeStep":
-        if self.logged:
-            self.probe._start(self.step, hooks=True)
-        return self
-
-    def log_anyway(self) -> None:
-        """Record this step although the schedule skips it (called after the forward pass,
-        before backward: a non-finite loss). Its activation statistics are not recorded."""
-        if not self.logged:
-            self.logged = True
-            self.probe._start(self.step, hooks=False)
-
-    def contribution(self, terms: Dict[str, torch.Tensor]) -> None:
-        if self.logged:
-            self.probe._contribution(terms)
-
-    def collect(self) -> None:
-        """Read the gradients: after backward (and unscaling), before clipping and the step."""
-        if self.logged:
-            self.probe._collect()
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.probe._disarm()
-        if self.logged and exc_type is None and self.probe._pending is not None:
-            self.columns = self.probe._after_step(self.step)
 
 
 class Probe:
@@ -217,19 +184,8 @@ class Probe:
 
     # -- task contribution ----------------------------------------------------------------
     def _contribution(self, terms: Dict[str, torch.Tensor]) -> None:
-        """Per loss term, the gradient norm that term alone sends to each parameter (the
-        tensors it reaches, and their ``kernels.list_norms`` rows). Runs after the main
-        backward, which kept the graph (``retain_graph``) for it."""
-        trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         for term_name, term in terms.items():
-            grads = torch.autograd.grad(
-                term, [self.params[i] for i in trainable], retain_graph=True, allow_unused=True)
-            present = [(i, g) for i, g in zip(trainable, grads) if g is not None]
-            if present:
-                self._contrib[term_name] = ([i for i, _ in present],
-                                            list_norms([g.float() for _, g in present]))
-            else:
-                self._contrib[term_name] = ([], None)
+            self._contrib[term_name] = contribution_norms(self.params, term)
 
     # -- gradients (after backward, before the optimizer step) ----------------------------
     def _ensure_layout(self) -> None:
@@ -299,11 +255,7 @@ class Probe:
         pending = self._pending
         self._pending = None
         with torch.no_grad():
-            if hasattr(torch, "_foreach_sub_"):
-                torch._foreach_sub_(self._before.views, self.params)  # before - after
-            else:
-                for b, p in zip(self._before.views, self.params):
-                    b.sub_(p)
+            torch._foreach_sub_(self._before.views, self.params)  # before - after
             squares(self._before.grid, self.stats, "u_", work=self._grads.grid)
             parts = {"params": self.stats.data}
             if self.acts.seen:
@@ -311,43 +263,14 @@ class Probe:
             if self.act_grads.seen:
                 parts["act_grads"] = self.act_grads.stats.data
             if self._summing and pending.get("fresh") is not None and self.lr > 0:
-                parts["residuals"] = self._step_residuals(pending)
-            parts.update(self._optional_parts())
+                parts["residuals"] = step_residuals(
+                    self._before.views, pending["have"], pending["fresh"], self._running, self.lr)
+            parts.update(optional_parts(self.module_of, self._per_example, self._act_grad_hist,
+                                        self._contrib))
             host = to_host(parts)  # the one transfer
         columns = gradient_columns(self, step, host, pending)
         columns.update(activation_columns(self, host))
         return columns
-
-    def _optional_parts(self) -> Dict[str, torch.Tensor]:
-        """Per-example variances, histograms and task contributions, where configured."""
-        parts: Dict[str, torch.Tensor] = {}
-        device = self.params[0].device
-        mods = self.module_of
-        if self._per_example:
-            nan2 = torch.full((2,), math.nan, device=device)
-            parts["per_example"] = torch.stack([self._per_example.get(m, nan2) for m in mods])
-        if self._act_grad_hist:
-            nan_h = torch.full_like(next(iter(self._act_grad_hist.values())), math.nan)
-            parts["hist"] = torch.stack([self._act_grad_hist.get(m, nan_h) for m in mods])
-        for name, (_, rows) in self._contrib.items():
-            if rows is not None:
-                parts[f"contrib_{name}"] = rows
-        return parts
-
-    def _step_residuals(self, pending: dict) -> torch.Tensor:
-        """2 x n: relative distance of (update / lr) from the fresh gradient and from the
-        running sum, per tensor; NaN for tensors without a gradient. Uses ``_before``, which
-        ``_after_step`` has just turned into (before - after) = lr x the stepped gradient.
-        Only in the running-sum window (the first ``probe.running_sum_steps`` steps)."""
-        n = len(self.params)
-        device = self._before.flat.device
-        out = torch.full((2, n), float("nan"), dtype=torch.float64, device=device)
-        for j, i in enumerate(pending["have"]):
-            stepped = self._before.views[i].double() / self.lr
-            for row, target in ((0, pending["fresh"][j].double()), (1, self._running[i])):
-                denom = torch.linalg.vector_norm(target)
-                out[row, i] = torch.linalg.vector_norm(stepped - target) / denom
-        return out
 
 
 def _copy_(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
