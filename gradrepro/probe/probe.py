@@ -274,9 +274,6 @@ class Probe:
 
 
 def _copy_(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
-    """``targets[i].copy_(sources[i])`` for all i, in one multi-tensor copy where torch has it."""
-    if hasattr(torch, "_foreach_copy_"):
-        torch._foreach_copy_(list(targets), list(sources))
-    else:  # the plain path (torch < 2.1)
-        for t, s in zip(targets, sources):
-            t.copy_(s)
+    """``targets[i].copy_(sources[i])`` for all i, in one multi-tensor copy (torch >= 2.1;
+    on CUDA one fused kernel where dtypes and layouts allow, else a copy per tensor)."""
+    torch._foreach_copy_(list(targets), list(sources))
