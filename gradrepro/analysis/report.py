@@ -37,7 +37,8 @@ from gradrepro.analysis.compare import compare
 from gradrepro.analysis.compare_figure import plot_runs
 from gradrepro.analysis.tables import check_keys, for_reading
 from gradrepro.config.compose import compose, group_options_recursive
-from gradrepro.records.files import atomic_write
+from gradrepro.errors import EXIT_USER_ERROR, UserError
+from gradrepro.records.files import check_output_file, write_output
 from gradrepro.records.reader import Run
 
 # The folder that holds the gradrepro package: the sweep's processes import the same code.
@@ -181,7 +182,7 @@ def write_report(
     if warnings:
         lines += ["## Warnings", ""] + [f"- {w}" for w in warnings] + [""]
     path = out_dir / "README.md"
-    atomic_write(path, lambda tmp: Path(tmp).write_text("\n".join(lines)))
+    write_output(path, lambda tmp: Path(tmp).write_text("\n".join(lines)), "the report")
     return path
 
 
@@ -238,6 +239,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if min(args.seeds, args.jobs, args.threads) < 1:
         parser.error("--seeds, --jobs and --threads must be >= 1")
+    try:
+        return _report_main(args)
+    except UserError as exc:  # an output that cannot be written: one line
+        print(f"gradrepro.report: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def _report_main(args: argparse.Namespace) -> int:
+    check_output_file(Path(args.out) / "README.md", "--out")
     extra = (["scale=tiny"] if args.quick else []) + list(args.overrides)
     # Threads change speed, not the experiment: in the sweep, not in the reproduce command.
     speed = [] if any(o.startswith("threads=") for o in extra) else [f"threads={args.threads}"]
