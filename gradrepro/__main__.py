@@ -1,16 +1,16 @@
 """``python -m gradrepro experiment=NAME [key=value ...]`` and the ``gradrepro`` script: one run
 (or ``-m``, a sweep).
 
-torch and Hydra take seconds to import; a Ctrl-C or SIGTERM in that time is one line and the
+torch and Hydra take seconds to import; a Ctrl-C, SIGTERM or SIGHUP in that time is one line and the
 shell's exit code (128 + the signal's number), not a traceback: nothing has been written yet.
 """
 
 import signal
 import sys
 
-from gradrepro.errors import exit_code_of_signal, raise_interrupted, signal_of
+from gradrepro.errors import exit_code_of_signal, interrupt_on_stop_signals, signal_of
 
-signal.signal(signal.SIGTERM, raise_interrupted)  # handled like Ctrl-C while the imports run
+interrupt_on_stop_signals()  # SIGTERM, SIGHUP: handled like Ctrl-C while the imports run
 try:
     from gradrepro.cli import main as _cli_main
 except KeyboardInterrupt as _stopped:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import warnings
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 class UserError(Exception):
@@ -18,6 +19,16 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signum: int = signal.SIGINT) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+
+def stop_signals() -> list:
+    """The signals that stop a run with its records: SIGINT (Ctrl-C), SIGTERM (kill, schedulers),
+    and SIGHUP (the terminal closed) unless the run was started to ignore it (``nohup``)."""
+    found = [signal.SIGINT, signal.SIGTERM]
+    hangup = getattr(signal, "SIGHUP", None)
+    if hangup is not None and signal.getsignal(hangup) is not signal.SIG_IGN:
+        found.append(hangup)
+    return found
 
 
 def raise_interrupted(signum: int, frame: Any) -> None:
@@ -53,3 +64,19 @@ EXIT_FAILED = 1  # a run that failed, or whose records could not all be written
 def exit_code_of_signal(signum: int) -> int:
     """The shell's convention for a process ended by a signal: 128 + its number."""
     return 128 + int(signum)
+
+
+def exit_on_user_error(prog: str, main: Callable[..., int], *args: Any) -> int:
+    """``main(*args)``; a UserError becomes ``PROG: error: ...`` on one line and exit code 2."""
+    try:
+        return main(*args)
+    except UserError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def interrupt_on_stop_signals() -> dict:
+    """Until a run installs its own handlers: SIGTERM and SIGHUP end the process like Ctrl-C
+    (KeyboardInterrupt, with the signal's name), so start-up is interrupted cleanly too.
+    Returns the handlers it replaced."""
+    return {sig: signal.signal(sig, raise_interrupted) for sig in stop_signals()[1:]}

@@ -72,6 +72,8 @@ REFUSED = [
     (["optim.lr=${{calc:'9**9**9'}}"], ["optim.lr", "beyond the float range"]),
     (["+references.x=nope"], ["references.x='nope'", "not an experiment"]),
     (["-m", "+references.x=nope", "seed=0,1"], ["references.x='nope'"]),
+    # 1e14 parameters: more memory than any machine has, refused before anything is allocated
+    (["model.widths=[10000000,10000000]"], ["needs at least", "GiB", "free here"]),
 ]
 
 

@@ -78,6 +78,8 @@ def test_diagnose_options_out_of_range_are_one_line(options, fragment):
     ({"n_entries": 2.5}, "n_entries=2.5"),
     ({"seed": -1}, "seed=-1"),
     ({"model": "net"}, "model must be"),
+    ({"index": []}, "names no entry"),
+    ({"index": True}, "names no entry"),
 ])
 def test_check_derivative_options_out_of_range_are_one_line(options, fragment):
     model, _, closure = setup()

@@ -25,7 +25,7 @@ from hydra.experimental.callback import Callback
 
 from gradrepro.analysis.compare_figure import plot_runs
 from gradrepro.analysis.tables import TABLES, build_tables, render
-from gradrepro.errors import EXIT_USER_ERROR, UserError
+from gradrepro.errors import UserError, exit_on_user_error
 from gradrepro.records.files import atomic_write, check_output_file, write_output
 from gradrepro.records.reader import Run, load_runs
 
@@ -88,11 +88,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="modules.parquet column for the per-module panel (default: grad_norm)",
     )
     args = parser.parse_args(argv)
-    try:
-        return _compare_main(args)
-    except UserError as exc:  # an output that cannot be written: one line
-        print(f"gradrepro.compare: error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+    return exit_on_user_error("gradrepro.compare", _compare_main, args)  # an unwritable output: one line
 
 
 def _compare_main(args: argparse.Namespace) -> int:

@@ -37,7 +37,7 @@ from gradrepro.analysis.compare import compare
 from gradrepro.analysis.compare_figure import plot_runs
 from gradrepro.analysis.tables import check_keys, for_reading
 from gradrepro.config.compose import compose, group_options_recursive
-from gradrepro.errors import EXIT_USER_ERROR, UserError
+from gradrepro.errors import exit_on_user_error
 from gradrepro.records.files import check_output_file, write_output
 from gradrepro.records.reader import Run
 
@@ -239,11 +239,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if min(args.seeds, args.jobs, args.threads) < 1:
         parser.error("--seeds, --jobs and --threads must be >= 1")
-    try:
-        return _report_main(args)
-    except UserError as exc:  # an output that cannot be written: one line
-        print(f"gradrepro.report: error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+    return exit_on_user_error("gradrepro.report", _report_main, args)  # an unwritable output: one line
 
 
 def _report_main(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ by the preflight too.
 
 The run (or sweep) folder is claimed before Hydra writes into it (``records/claim.py``): a
 default name that exists already gets a suffix, a named folder that holds another run is
-refused. A signal (Ctrl-C, SIGTERM) at any moment is one line and exit code 128 + its number;
+refused. A signal (Ctrl-C, SIGTERM, SIGHUP) at any moment is one line and exit code 128 + its number;
 once the run folder exists, its summary.json says ``interrupted``.
 """
 
@@ -38,11 +38,11 @@ from gradrepro.errors import (
     EXIT_USER_ERROR,
     UserError,
     exit_code_of_signal,
-    raise_interrupted,
+    interrupt_on_stop_signals,
     signal_of,
 )
 from gradrepro.records.claim import holds, release
-from gradrepro.records.files import SUMMARY
+from gradrepro.records.files import SUMMARY, ensure_writable_dir
 from gradrepro.records.reader import load_runs
 from gradrepro.train.finish import RecordsIncomplete, stub_summary, write_summary
 from gradrepro.train.loop import run
@@ -100,8 +100,8 @@ def _fail(message: str, code: int, sweep: bool) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """The console script ``gradrepro`` and ``python -m gradrepro``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, raise_interrupted)  # until a run takes it over: like Ctrl-C
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = interrupt_on_stop_signals() if main_thread else {}  # until a run takes them over
     folder: Optional[preflight.Checked] = None
     try:
         folder = _prepare(argv)
@@ -119,6 +119,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     finally:
         if folder is not None and folder.path is not None:
             release(folder.path)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _prepare(argv: list) -> Optional[preflight.Checked]:
@@ -140,6 +142,11 @@ def _prepare(argv: list) -> Optional[preflight.Checked]:
     checked = preflight.check(argv)
     if checked.path is not None:
         claimed = preflight.claim_output(checked)
+        try:
+            ensure_writable_dir(claimed)  # a full or read-only disk: one line, before Hydra writes
+        except UserError:
+            release(claimed)
+            raise
         if claimed != checked.path:  # a fresh name: Hydra must use the folder that was claimed
             sys.argv[1:] = [*argv, f"{checked.key}={claimed}"]
         checked.path = claimed

@@ -26,6 +26,7 @@ from gradrepro.errors import UserError, first_line, quiet_unless_it_fails
 from gradrepro.records.claim import claim, claim_fresh, runs_below
 from gradrepro.records.files import check_writable_path
 from gradrepro.train.build import build_untrained
+from gradrepro.train.footprint import check_footprint
 
 # The folder Hydra resolves a relative --config-path against: where the app is declared.
 APP_DIR = Path(__file__).resolve().parent
@@ -189,6 +190,7 @@ def check(argv: Sequence[str], compose_only: bool = False) -> Checked:
                 try:
                     validate(cfg)
                     check_references(compose, cfg, config_name)
+                    check_footprint(cfg)  # before the real build allocates anything
                     check_buildable(cfg)
                 except UserError:
                     raise

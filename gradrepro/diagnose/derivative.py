@@ -117,6 +117,9 @@ def check_derivative(
     check_count("n_entries", n_entries)
     check_count("seed", seed, low=0)
     check_flag("float64", float64)
+    if isinstance(index, bool) or (isinstance(index, (list, tuple)) and len(index) == 0):
+        raise DiagnoseValueError(f"index={index!r} names no entry: give a flat index, a tuple index, "
+                                 "a list of them, or None")
     if model is not None and not isinstance(model, nn.Module):
         raise DiagnoseTypeError(f"model must be a torch.nn.Module or None, not {type(model).__name__}")
     buffers = [(b, b.detach().clone()) for b in model.buffers()] if model is not None else []

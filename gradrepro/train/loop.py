@@ -35,6 +35,7 @@ from gradrepro.records.writer import Records
 from gradrepro.signature import evaluate, format_verdict
 from gradrepro.train.build import Training, build_training
 from gradrepro.train.finish import Outcome, RunState, full_summary
+from gradrepro.train.footprint import check_footprint
 from gradrepro.train.mode_policy import hold_eval
 from gradrepro.train.session import (
     SafeBar,
@@ -80,6 +81,7 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopReq
          state: RunState) -> Dict[str, Any]:
     device = resolve_device(cfg.device)
     torch.set_num_threads(cfg.threads)
+    check_footprint(cfg)  # a config larger than the free memory: one line, not a killed process
     seed_everything(cfg.seed, device)
     t = build_training(cfg, device)
     audit = FrozenAudit(t.net, t.frozen, t.data.eval_sets()[2][:256]) if t.frozen else None

@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 import gradrepro
-from gradrepro.errors import UserError
+from gradrepro.errors import UserError, stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class StopRequest:
         self.parent: Optional["StopRequest"] = None
 
     def __enter__(self) -> "StopRequest":
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in stop_signals():
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread (some launchers): leave signals alone
