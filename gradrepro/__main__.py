@@ -1,6 +1,30 @@
-"""``python -m gradrepro experiment=NAME [key=value ...]``: one run (or ``-m``, a sweep)."""
+"""``python -m gradrepro experiment=NAME [key=value ...]`` and the ``gradrepro`` script: one run
+(or ``-m``, a sweep).
 
-from gradrepro.cli import main
+torch and Hydra take seconds to import; a Ctrl-C, SIGTERM or SIGHUP in that time is one line and the
+shell's exit code (128 + the signal's number), not a traceback: nothing has been written yet.
+"""
+
+import signal
+import sys
+
+from gradrepro.errors import exit_code_of_signal, interrupt_on_stop_signals, signal_of
+
+interrupt_on_stop_signals()  # SIGTERM, SIGHUP: handled like Ctrl-C while the imports run
+try:
+    from gradrepro.cli import main as _cli_main
+except KeyboardInterrupt as _stopped:
+    _cli_main, _signum = None, signal_of(_stopped)
+
+
+def main() -> None:
+    """Run the command line; a signal during start-up ends it with one line."""
+    if _cli_main is None:
+        print(f"gradrepro: interrupted ({signal.Signals(_signum).name}) while starting; nothing was run "
+              "or written", file=sys.stderr)
+        sys.exit(exit_code_of_signal(_signum))
+    _cli_main()
+
 
 if __name__ == "__main__":
     main()

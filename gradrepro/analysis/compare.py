@@ -4,8 +4,11 @@ Reads any mix of run and sweep folders (recursively) and prints the comparison t
 ``analysis/tables.py``: runs, groups over seeds by the scientific knob, and each ablation
 beside its control.
 
-Unreadable folders are skipped with one warning line each; the exit code is non-zero
-only when nothing was readable. After a multirun, :class:`SweepTableCallback` writes the
+Run folders are read as untrusted data (``records/reader.py``): a folder that cannot be used
+is skipped with one warning line, and the tables still come out; the exit code is 1 only when
+nothing was readable, 2 when ``--out`` or ``--plot`` names something that cannot be written
+(a device, a folder, a read-only file). ``--format csv`` writes one table per file, so each
+is what ``pandas.read_csv`` reads. After a multirun, :class:`SweepTableCallback` writes the
 same tables into the sweep folder.
 """
 
@@ -22,7 +25,8 @@ from hydra.experimental.callback import Callback
 
 from gradrepro.analysis.compare_figure import plot_runs
 from gradrepro.analysis.tables import TABLES, build_tables, render
-from gradrepro.records.files import atomic_write
+from gradrepro.errors import UserError, exit_on_user_error
+from gradrepro.records.files import atomic_write, check_output_file, write_output
 from gradrepro.records.reader import Run, load_runs
 
 log = logging.getLogger(__name__)
@@ -64,9 +68,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--table",
         choices=("all", *TABLES),
         default="all",
-        help="which table to print (default: all; 'runs' gives one plain CSV)",
+        help="which table to print (default: all)",
     )
-    parser.add_argument("--out", type=Path, help="write the table(s) here instead of stdout")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="write the table(s) here instead of stdout; with --format csv each table gets its "
+        "own file: OUT, then OUT's name with .groups, .pairs, ... before the suffix",
+    )
     parser.add_argument(
         "--plot",
         type=Path,
@@ -79,11 +88,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="modules.parquet column for the per-module panel (default: grad_norm)",
     )
     args = parser.parse_args(argv)
+    return exit_on_user_error("gradrepro.compare", _compare_main, args)  # an unwritable output: one line
 
+
+def _compare_main(args: argparse.Namespace) -> int:
+    out = check_output_file(args.out, "--out") if args.out else None
+    plot = check_output_file(args.plot, "--plot") if args.plot else None
     try:
         tables, runs, warnings = compare(args.paths, args.by)
     except KeyError as exc:
-        parser.error(exc.args[0])
+        raise UserError(exc.args[0]) from None
     for line in warnings:
         print(f"gradrepro.compare: warning: {line}", file=sys.stderr)
     if not runs:
@@ -92,20 +106,54 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             file=sys.stderr,
         )
         return EXIT_NOTHING_READABLE
-    text = render(tables, args.format, TABLES if args.table == "all" else (args.table,))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(args.out, lambda tmp: Path(tmp).write_text(text))
-        print(f"wrote {args.out} ({len(runs)} runs)", file=sys.stderr)
+    which = [t for t in (TABLES if args.table == "all" else (args.table,)) if not tables[t].empty]
+    skipped = [t for t in (TABLES if args.table == "all" else (args.table,)) if tables[t].empty]
+    if args.format == "csv":  # one table per file: each one pandas.read_csv reads
+        _write_csv(tables, which, out, len(runs))
     else:
-        sys.stdout.write(text)
-    if args.plot:
-        skipped: List[str] = []
-        lines = plot_runs(runs, args.plot, metric=args.metric, warnings=skipped)
-        for line in skipped:
+        text = render(tables, args.format, which)
+        if out:
+            write_output(out, lambda tmp: Path(tmp).write_text(text), "--out")
+            print(f"wrote {out} ({len(runs)} runs)", file=sys.stderr)
+        else:
+            sys.stdout.write(text)
+    for name in skipped:
+        print(f"gradrepro.compare: note: the {name} table is empty ({EMPTY[name]}): not written", file=sys.stderr)
+    if plot:
+        not_drawn: List[str] = []
+        drawn = plot_runs(runs, plot, metric=args.metric, warnings=not_drawn)
+        for line in not_drawn:
             print(f"gradrepro.compare: warning: {line}", file=sys.stderr)
-        print(f"wrote {args.plot} ({lines} runs drawn)", file=sys.stderr)
+        print(f"wrote {plot} ({drawn} runs drawn)", file=sys.stderr)
     return 0
+
+
+# Why a table can be empty (said when it is, instead of writing an empty file).
+EMPTY = {"runs": "no runs", "groups": "no complete runs", "pairs": "no ablation beside its control"}
+
+
+def csv_paths(out: Path, names: Sequence[str]) -> Dict[str, Path]:
+    """Where ``--format csv --out OUT`` writes each table: the first at OUT, every other one
+    beside it as OUT's name with the table's (``cmp.csv``, ``cmp.groups.csv``, ...)."""
+    return {name: out if i == 0 else out.with_name(f"{out.stem}.{name}{out.suffix or '.csv'}")
+            for i, name in enumerate(names)}
+
+
+def _write_csv(tables: Dict[str, pd.DataFrame], which: Sequence[str], out: Optional[Path], n_runs: int) -> None:
+    if not which:
+        return
+    if out is None:  # stdout holds one file: the first table; the others need --table or --out
+        sys.stdout.write(render(tables, "csv", which[:1]))
+        if len(which) > 1:
+            print(f"gradrepro.compare: note: csv on stdout is one table ({which[0]}); --table "
+                  f"{'|'.join(which[1:])} for another, or --out FILE.csv for each in its own file", file=sys.stderr)
+        return
+    paths = {name: check_output_file(path, "--out") for name, path in csv_paths(out, which).items()}
+    for name, path in paths.items():
+        text = render(tables, "csv", (name,))
+        write_output(path, lambda tmp, t=text: Path(tmp).write_text(t), "--out")
+    listing = ", ".join(f"{path} ({name})" for name, path in paths.items())
+    print(f"wrote {listing} from {n_runs} runs", file=sys.stderr)
 
 
 class SweepTableCallback(Callback):

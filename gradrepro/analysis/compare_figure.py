@@ -17,8 +17,9 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from gradrepro.analysis.tables import differing_knobs
-from gradrepro.records.files import atomic_write
+from gradrepro.records.files import write_output
 from gradrepro.records.reader import Run
+from gradrepro.records.untrusted import one_line
 
 # Norms combine over a module's tensors as an L2 norm; every other column as a mean.
 _L2_COLUMNS = {"grad_norm", "param_norm"}
@@ -68,9 +69,9 @@ def figure_runs(
             scalars = run.scalars()
             loss = scalars.dropna(subset=["loss"])
             values = module_values(run.modules(["step", "module", metric]), metric)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a run folder is data: a bad one is left out
             if warnings is not None:
-                warnings.append(f"{run.path}: not drawn ({type(exc).__name__}: {exc})")
+                warnings.append(f"{one_line(run.path)}: not drawn ({type(exc).__name__}: {one_line(exc, 200)})")
             continue
         ax_loss.plot(loss["step"], loss["loss"], color=color, linestyle=style, label=label)
         module_order += [m for m in values.index if m not in module_order]
@@ -113,6 +114,5 @@ def plot_runs(
     """Draw :func:`figure_runs` to ``path`` (atomically); returns the number of runs drawn."""
     fig = figure_runs(runs, metric, warnings)
     drawn = len(fig.axes[0].get_lines())
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(Path(path), lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    write_output(Path(path), lambda tmp: fig.savefig(tmp, dpi=110, format="png"), "the figure")
     return drawn

@@ -37,7 +37,8 @@ from gradrepro.analysis.compare import compare
 from gradrepro.analysis.compare_figure import plot_runs
 from gradrepro.analysis.tables import check_keys, for_reading
 from gradrepro.config.compose import compose, group_options_recursive
-from gradrepro.records.files import atomic_write
+from gradrepro.errors import exit_on_user_error
+from gradrepro.records.files import check_output_file, write_output
 from gradrepro.records.reader import Run
 
 # The folder that holds the gradrepro package: the sweep's processes import the same code.
@@ -181,7 +182,7 @@ def write_report(
     if warnings:
         lines += ["## Warnings", ""] + [f"- {w}" for w in warnings] + [""]
     path = out_dir / "README.md"
-    atomic_write(path, lambda tmp: Path(tmp).write_text("\n".join(lines)))
+    write_output(path, lambda tmp: Path(tmp).write_text("\n".join(lines)), "the report")
     return path
 
 
@@ -238,6 +239,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if min(args.seeds, args.jobs, args.threads) < 1:
         parser.error("--seeds, --jobs and --threads must be >= 1")
+    return exit_on_user_error("gradrepro.report", _report_main, args)  # an unwritable output: one line
+
+
+def _report_main(args: argparse.Namespace) -> int:
+    check_output_file(Path(args.out) / "README.md", "--out")
     extra = (["scale=tiny"] if args.quick else []) + list(args.overrides)
     # Threads change speed, not the experiment: in the sweep, not in the reproduce command.
     speed = [] if any(o.startswith("threads=") for o in extra) else [f"threads={args.threads}"]

@@ -267,17 +267,20 @@ TITLES = {
 def render(
     tables: Dict[str, pd.DataFrame], fmt: str = "markdown", which: Sequence[str] = TABLES
 ) -> str:
-    """The chosen tables in ``fmt``; with several tables, one titled section each."""
+    """The chosen tables in ``fmt``; with several tables, one titled section each. CSV holds
+    one table (a file of several would be no CSV file): ValueError if asked for more."""
     chosen = {k: tables[k] for k in which if k in tables and not tables[k].empty}
     if fmt == "json":
         return json.dumps(
             {k: json.loads(df.to_json(orient="records")) for k, df in chosen.items()}, indent=2
         )
+    if fmt == "csv":
+        if len(chosen) > 1:
+            raise ValueError(f"csv holds one table; asked for {', '.join(chosen)}")
+        return "".join(df.to_csv(index=False) for df in chosen.values())
     parts = []
     for name, df in chosen.items():
-        if fmt == "csv":
-            body = df.to_csv(index=False)
-        elif fmt == "latex":
+        if fmt == "latex":
             body = for_reading(df).to_latex(index=False, na_rep="", escape=True)
         else:
             body = for_reading(df).to_markdown(index=False, floatfmt=".4g", missingval="")
@@ -289,7 +292,7 @@ def render(
                     TITLES[name].replace("Groups", f"Groups by {', '.join(df.attrs.get('by', []))}")
                 )
             )
-            head = {"markdown": f"## {title}\n", "csv": f"# {name}", "latex": f"% {title}"}[fmt]
+            head = {"markdown": f"## {title}\n", "latex": f"% {title}"}[fmt]
             body = f"{head}\n{body}"
         parts.append(body.rstrip("\n"))
     return "\n\n".join(parts) + "\n"

@@ -9,8 +9,8 @@ import re
 from typing import Any, Optional
 
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, ValidationError
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, InterpolationResolutionError, ValidationError
 
 from gradrepro.config.compose import CONFIG_DIR, group_options_recursive
 from gradrepro.config.schema import Config
@@ -71,6 +71,9 @@ def explain(exc: BaseException, last_cfg: Optional[Any] = None) -> str:
             valid = _valid_keys(err, message, full_key.rpartition(".")[0], last_cfg)
             return unknown_key_message(full_key, valid, where)
     for err in (exc, cause):
+        if isinstance(err, InterpolationResolutionError) and getattr(err, "full_key", None):
+            return _unresolvable(err, last_cfg)
+    for err in (exc, cause):
         if isinstance(err, ValidationError):
             full_key = getattr(err, "full_key", "") or "?"
             first = str(err).splitlines()[0]
@@ -86,6 +89,43 @@ def explain(exc: BaseException, last_cfg: Optional[Any] = None) -> str:
         listing = f"; choose one of: {', '.join(options)}" if options else ""
         return f"{key} must be set (it is required and has no value){listing}"
     return first
+
+
+_REFERENCE = re.compile(r"\$\{([A-Za-z_][\w.\[\]]*)\}")
+
+
+def _unresolvable(err: BaseException, cfg: Any) -> str:
+    """``KEY: why its interpolation failed; it reads A=1, B=2`` (the keys the expression uses,
+    so that a value given elsewhere, ``objective.dim=-1``, is named)."""
+    key = str(err.full_key)
+    cause = err.__cause__ or err.__context__
+    why = str(cause).splitlines()[0] if cause is not None and str(cause) else str(err).splitlines()[0]
+    why = re.sub(r"^\w+ raised while resolving interpolation: ", "", why)
+    raw, reads = _raw_value(cfg, key), []
+    for ref in dict.fromkeys(_REFERENCE.findall(raw or "")):
+        try:
+            value = OmegaConf.select(cfg, ref, throw_on_resolution_failure=False)
+        except Exception:  # noqa: BLE001 - a reference that cannot be read: left out
+            continue
+        if value is not None and not isinstance(value, (DictConfig, ListConfig)):
+            reads.append(f"{ref}={value}")
+    shown = f" = {raw}" if raw else ""
+    return f"{key}{shown}: {why}" + (f" (it reads {', '.join(reads)})" if reads else "")
+
+
+def _raw_value(cfg: Any, key: str) -> Optional[str]:
+    """The unresolved text of ``key`` in ``cfg`` (an interpolation), or None."""
+    if cfg is None:
+        return None
+    parent, _, leaf = key.rpartition(".")
+    try:
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        if isinstance(node, (DictConfig, ListConfig)):
+            value = node._get_node(int(leaf) if isinstance(node, ListConfig) else leaf)._value()
+            return value if isinstance(value, str) else None
+    except Exception:  # noqa: BLE001 - a key path this cannot follow: no text shown
+        return None
+    return None
 
 
 def _valid_keys(err: BaseException, message: str, parent: str, last_cfg: Any) -> list[str]:

@@ -1,15 +1,17 @@
 """The preflight: before ``hydra.main`` runs anything, compose every config a command line
 asks for (each value of a sweep once), validate it, build its model on the CPU and check its
 output folder, so that bad input is one line and exit code 2, never a traceback after data
-have loaded. Also: ``glob(...)`` over experiment subfolders, and launchers from extras."""
+have loaded. Also: ``glob(...)`` over experiment subfolders, launchers from extras, and the
+claim of the run or sweep folder (``claim_output``) before Hydra writes into it."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -17,11 +19,14 @@ from hydra.core.override_parser.types import Glob
 from omegaconf import DictConfig, OmegaConf
 
 from gradrepro.cli.messages import explain, group_options
+from gradrepro.cli.override_checks import check_choice_names, check_deletions, check_references
 from gradrepro.config.compose import CONFIG_DIR, Compose, composer, group_options_recursive
 from gradrepro.config.validate import validate
-from gradrepro.errors import UserError
+from gradrepro.errors import UserError, first_line, quiet_unless_it_fails
+from gradrepro.records.claim import claim, claim_fresh, runs_below
 from gradrepro.records.files import check_writable_path
 from gradrepro.train.build import build_untrained
+from gradrepro.train.footprint import check_footprint
 
 # The folder Hydra resolves a relative --config-path against: where the app is declared.
 APP_DIR = Path(__file__).resolve().parent
@@ -135,8 +140,23 @@ def _config_dir(config_path: str | None) -> Path:
     return path if path.is_absolute() else (APP_DIR / path).resolve()
 
 
-def check(argv: Sequence[str]) -> None:
-    """Compose and validate the config(s) that ``argv`` asks for; raise UserError if bad."""
+@dataclass
+class Checked:
+    """What the preflight composed: the config (the last variant of a sweep), its overrides,
+    and the output folder it names (None where only Hydra can resolve it)."""
+
+    cfg: Optional[DictConfig]
+    overrides: List[str]
+    key: str  # hydra.run.dir, or hydra.sweep.dir with -m
+    path: Optional[Path]
+    explicit: bool  # named on the command line (claimed as is) or a default (made unique)
+    sweep: bool
+
+
+def check(argv: Sequence[str], compose_only: bool = False) -> Checked:
+    """Compose and validate the config(s) that ``argv`` asks for; raise UserError if bad.
+    ``compose_only``: compose, nothing more (``--cfg``, ``--help``: a config may be shown
+    whatever its values)."""
     args = parse_argv(argv)
     if args is None:
         raise UserError(f"could not read the command line {' '.join(argv)!r}; see --help")
@@ -145,6 +165,7 @@ def check(argv: Sequence[str]) -> None:
     config_dir = _config_dir(args.config_path)
     if not config_dir.is_dir():
         raise UserError(f"--config-path {str(config_dir)!r} is not a folder")
+    check_choice_names(overrides, config_dir)
     with composer(config_dir) as compose:
         try:
             variants = _sweep_variants(overrides)
@@ -153,23 +174,50 @@ def check(argv: Sequence[str]) -> None:
         if len(variants) > 1 and not args.multirun:
             raise UserError(
                 "a sweep (a,b or range(...)) needs -m (--multirun); without it Hydra runs nothing")
-        last_cfg = None
+        last_cfg, path = None, None
         for variant in variants:
+            check_deletions(compose, variant, config_name, config_dir)
             try:
                 cfg = compose(variant, config_name=config_name)
                 last_cfg = cfg
-                # Interpolation errors and required values left unset surface here.
-                OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+                if not compose_only:  # interpolation errors and unset values surface here
+                    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
             except Exception as exc:  # noqa: BLE001 - Hydra raises many types
                 raise UserError(explain(exc, last_cfg)) from None
-            try:
-                validate(cfg)
-                check_buildable(cfg)
-            except UserError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a value the checks could not even compare
-                raise UserError(explain(exc, last_cfg)) from None
-            check_output_dir(compose, config_name, variant, args.multirun)
+            if compose_only:
+                continue
+            with quiet_unless_it_fails():
+                try:
+                    validate(cfg)
+                    check_references(compose, cfg, config_name)
+                    check_footprint(cfg)  # before the real build allocates anything
+                    check_buildable(cfg)
+                except UserError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a value the checks could not even compare
+                    raise UserError(explain(exc, last_cfg)) from None
+            path = check_output_dir(compose, config_name, variant, args.multirun)
+    key = "hydra.sweep.dir" if args.multirun else "hydra.run.dir"
+    explicit = any(o.lstrip("+").startswith(f"{key}=") for o in args.overrides)
+    return Checked(last_cfg, list(args.overrides), key, path, explicit, bool(args.multirun))
+
+
+def claim_output(checked: Checked) -> Path:
+    """Claim the folder a run or sweep will write, before Hydra writes into it: a named one
+    as is (refused if it holds a run or another run holds it), a default one under a fresh
+    name. A sweep folder must hold no runs yet; each job claims its own folder when it runs."""
+    what = checked.key
+    if checked.sweep:
+        if checked.explicit and Path(checked.path).is_dir():
+            found = runs_below(checked.path)
+            if found is not None:
+                raise UserError(f"{what}={str(checked.path)!r} already holds runs ({str(found)!r}): "
+                                "choose a new sweep folder")
+            return claim(checked.path, what, markers=())
+        return claim_fresh(checked.path, what)
+    if checked.explicit:
+        return claim(checked.path, what)
+    return claim_fresh(checked.path, what)
 
 
 _built: set = set()
@@ -188,7 +236,7 @@ def check_buildable(cfg: DictConfig) -> None:
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - any error here is a config the code rejects
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = first_line(exc)
         if isinstance(exc, KeyError) and exc.args:  # a lookup table without that entry
             keys = _keys_holding(cfg, exc.args[0])
             first = (f"{keys[0]}={exc.args[0]!r} is not a value the code knows" if keys
@@ -215,17 +263,21 @@ def _keys_holding(cfg, value) -> list[str]:
     return flat
 
 
-def check_output_dir(compose: Compose, config_name: str, overrides: list[str], multirun: bool) -> None:
+def check_output_dir(compose: Compose, config_name: str, overrides: list[str], multirun: bool) -> Optional[Path]:
     """The run (or sweep) folder must be creatable and writable before any training starts.
 
-    Checks ``hydra.run.dir`` (``hydra.sweep.dir`` with -m). Where that path names values
-    Hydra fills only at run time (``hydra.job.*``), the runner checks the folder instead.
+    Checks ``hydra.run.dir`` (``hydra.sweep.dir`` with -m) and returns it. Where that path
+    names values Hydra fills only at run time (``hydra.job.*``), the runner checks the folder
+    instead (None).
     """
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     try:
         hydra_cfg = compose(overrides, config_name=config_name, return_hydra_config=True)
         path = OmegaConf.select(hydra_cfg, key)
     except Exception:  # noqa: BLE001 - runtime-only interpolations: left to the runner
-        return
-    if path:
-        check_writable_path(Path(str(path)), key)
+        return None
+    if path is None or not str(path).strip():
+        raise UserError(f"{key} is empty: it would write into the current folder; name a folder "
+                        f"({key}=PATH) or leave the default")
+    check_writable_path(Path(str(path)), key)
+    return Path(os.path.expanduser(str(path)))

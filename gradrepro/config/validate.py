@@ -4,16 +4,21 @@ choices, what this machine offers, and a signature's metric names. Each failure 
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import fnmatch
 import math
 import os
+import re
+from pathlib import PurePosixPath
 from typing import Any, List, Sequence, Set
 
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
 
+from gradrepro.config.compose import group_options_recursive
+from gradrepro.config.resolvers import usable_cores
+from gradrepro.config.structure import check_flat_lists, undeclared_keys
 from gradrepro.data.cifar10 import check_cifar10_root
 from gradrepro.errors import UserError
 from gradrepro.measure import frozen_audit, init_reference, mode_pass
@@ -41,37 +46,17 @@ def unknown_key_message(key: str, valid: Sequence[str], where: str = "", note: s
     return f"unknown config key {key!r}{location}{hint}{listing}"
 
 
-def undeclared_keys(cfg: Any, prefix: str = "") -> list[tuple]:
-    """(key, valid keys) for every key that its schema does not declare.
-
-    Hydra's ``+key=value`` adds a key even to a typed (structured) node; such a key would be
-    silently ignored by the code, so a misspelt ``+optim.lrr=0.1`` is caught here instead.
-    Free-form nodes (``paper``, a check's ``params``) accept any key.
-    """
-    found = []
-    if isinstance(cfg, DictConfig):
-        schema = OmegaConf.get_type(cfg)
-        if dataclasses.is_dataclass(schema):
-            declared = {f.name for f in dataclasses.fields(schema)}
-            found += [(f"{prefix}{k}", sorted(declared)) for k in cfg if k not in declared]
-        for k in cfg:
-            if not OmegaConf.is_missing(cfg, k) and not OmegaConf.is_interpolation(cfg, k):
-                found += undeclared_keys(cfg[k], f"{prefix}{k}.")
-    elif isinstance(cfg, ListConfig):
-        for i in range(len(cfg)):
-            if not OmegaConf.is_missing(cfg, i) and not OmegaConf.is_interpolation(cfg, i):
-                found += undeclared_keys(cfg[i], f"{prefix[:-1]}[{i}].")
-    return found
-
-
 def validate(cfg: Any) -> None:
     """Range, choice, availability and signature checks the schema's types cannot express.
     Raises UserError."""
     for key, valid in undeclared_keys(cfg)[:1]:
         raise UserError(unknown_key_message(key, valid, note="added with '+'"))
+    check_flat_lists(cfg)
     _check_ranges(cfg)
     _check_choices(cfg)
     _check_machine(cfg)
+    _check_paths(cfg)
+    _check_references(cfg)
     _check_signature(cfg)
 
 
@@ -83,6 +68,19 @@ def _choice(key: str, value: Any, valid: Any) -> None:
 def _positive(key: str, value: Any, allow_zero: bool = False) -> None:
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         raise UserError(f"{key}={value} must be a finite number {'>= 0' if allow_zero else '> 0'}")
+
+
+# float32's range (IEEE 754 binary32): the parameters, and so every value multiplied into them,
+# are float32; a value beyond the largest finite one is inf there, one below the smallest
+# positive (subnormal) one is 0.
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+FLOAT32_TINIEST = float(torch.finfo(torch.float32).smallest_normal) * 2.0**-23
+
+
+def _float32(key: str, value: float) -> None:
+    if value != 0 and not FLOAT32_TINIEST <= abs(value) <= FLOAT32_MAX:
+        raise UserError(f"{key}={value} is outside float32's range ({FLOAT32_TINIEST:.3g} to {FLOAT32_MAX:.4g}): "
+                        f"the parameters are float32, where it would be {'inf' if abs(value) > 1 else '0'}")
 
 
 def _unit(key: str, value: float) -> None:  # torch's optimizers reject values outside [0, 1)
@@ -122,6 +120,11 @@ def _check_ranges(cfg: Any) -> None:
                 f"precision.loss_scale={cfg.precision.loss_scale!r} must be a number > 0 or 'dynamic'"
             ) from None
         _positive("precision.loss_scale", scale)
+    for key in ("optim.lr", "optim.weight_decay", "optim.momentum", "train.grad_clip", "init.std"):
+        if OmegaConf.select(cfg, key) is not None:
+            _float32(key, float(OmegaConf.select(cfg, key)))
+    if str(cfg.precision.loss_scale) != "dynamic":
+        _float32("precision.loss_scale", float(cfg.precision.loss_scale))
     if not is_power_of_two(cfg.precision.loss_shift):
         raise UserError(
             f"precision.loss_shift={cfg.precision.loss_shift} must be a power of two (e.g. 2^-16 = "
@@ -145,13 +148,56 @@ def _check_choices(cfg: Any) -> None:
 
 
 def _check_machine(cfg: Any) -> None:
-    """What this machine must offer: a GPU, an optional package, a local data folder."""
+    """What this machine must offer: a GPU, an optional package, a local data folder, cores."""
+    cores = usable_cores()
+    if cfg.threads > cores:  # more threads than cores only contend (and a huge count overloads the machine)
+        raise UserError(f"threads={cfg.threads} is more than the {cores} CPU core(s) this process may use; "
+                        f"choose 1 to {cores}")
     if cfg.logger.name == "tensorboard" and not tensorboard_available():
         raise UserError("logger=tensorboard needs the tensorboard package: pip install -e '.[tensorboard]'")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UserError("device=cuda but no CUDA GPU is available here; use device=cpu or device=auto")
     if cfg.data.name == "cifar10":
         check_cifar10_root(os.path.expanduser(cfg.data.root))
+
+
+def _check_paths(cfg: Any) -> None:
+    """Folders a run writes lie inside its run folder (``logger.folder``)."""
+    if cfg.logger.name != "none":
+        folder = str(cfg.logger.folder)
+        parts = PurePosixPath(folder.replace("\\", "/")).parts
+        if not folder.strip() or PurePosixPath(folder).is_absolute() or ".." in parts or folder.startswith("~"):
+            raise UserError(f"logger.folder={folder!r} must be a folder inside the run folder (a relative "
+                            "path without '..'), e.g. logger.folder=tensorboard")
+
+
+_REFERENCE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+def check_reference_name(name: Any) -> None:
+    """A reference's name is a folder of the run folder (``references/NAME``)."""
+    if not isinstance(name, str) or not _REFERENCE_NAME.match(name) or name in (".", ".."):
+        raise UserError(f"references.{name}: a reference name must be a plain folder name "
+                        "(letters, digits, '_', '-', '.'; no '/')")
+
+
+def experiment_options() -> List[str]:
+    """Every experiment name: gradrepro's own, and those of a running Hydra's search path."""
+    names = set(group_options_recursive("experiment"))
+    if GlobalHydra.instance().is_initialized():
+        names |= set(GlobalHydra.instance().config_loader().get_group_options("experiment"))
+    return sorted(names)
+
+
+def _check_references(cfg: Any) -> None:
+    """Reference runs name experiments that exist, under plain folder names."""
+    options = None
+    for name, experiment in (cfg.references or {}).items():
+        check_reference_name(name)
+        options = options or experiment_options()
+        if not isinstance(experiment, str) or experiment not in options:
+            raise UserError(f"references.{name}={experiment!r} is not an experiment"
+                            f"{did_you_mean(str(experiment), options)}; valid choices: {', '.join(options)}")
 
 
 def produced_names(cfg: Any) -> Set[str]:

@@ -41,7 +41,13 @@ from torch import nn
 
 from gradrepro.diagnose.derivative import check_derivative
 from gradrepro.diagnose.findings import NEXT_CHECK, Finding, Report, findings_of, report_table
-from gradrepro.diagnose.inputs import DiagnoseError, DiagnoseTypeError, DiagnoseValueError, check_inputs
+from gradrepro.diagnose.inputs import (
+    DiagnoseError,
+    DiagnoseTypeError,
+    DiagnoseValueError,
+    check_inputs,
+    check_options,
+)
 from gradrepro.diagnose.registration import normalize_name, parameter_rows
 from gradrepro.diagnose.transition import run_transition
 
@@ -68,6 +74,7 @@ def diagnose(
     ``rtol``: tolerance of the update check, relative to the predicted change.
     """
     check_inputs(model, optimizer, closure)
+    check_options(step, tiny_factor, stale_factor, fp16_fraction, rtol, probe_paths)
     rows, unregistered, nonleaf = parameter_rows(model, optimizer)
     tr = run_transition(model, optimizer, closure, rows, nonleaf, step, tiny_factor, rtol, probe_paths)
     findings = findings_of(tr, model, unregistered, step, stale_factor, fp16_fraction)

@@ -15,7 +15,15 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from gradrepro.diagnose.inputs import DiagnoseTypeError, DiagnoseValueError, check_loss
+from gradrepro.diagnose.inputs import (
+    DiagnoseTypeError,
+    DiagnoseValueError,
+    check_closure,
+    check_count,
+    check_flag,
+    check_loss,
+    check_number,
+)
 
 _NARROW = (torch.float16, torch.bfloat16, torch.float32)
 _INPLACE = re.compile(r"^(__i\w+__|__setitem__|\w*[^_]_)$")
@@ -98,14 +106,22 @@ def check_derivative(
     (batch-norm statistics) are restored afterwards. Returns ||auto - fd|| / max(||auto||, ||fd||)
     over the entries (0 when both are zero).
     """
-    if not callable(closure):
-        raise DiagnoseTypeError(f"closure must be callable, not {type(closure).__name__}")
+    check_closure(closure)
     if not isinstance(param, torch.Tensor) or not param.is_floating_point():
         raise DiagnoseTypeError(f"param must be a floating-point tensor, not {type(param).__name__}")
     if not param.is_leaf:
         raise DiagnoseValueError("param must be a leaf tensor (a parameter), not an intermediate result")
-    if eps <= 0:
-        raise DiagnoseValueError(f"eps={eps} must be > 0")
+    if param.is_meta:
+        raise DiagnoseValueError("param is on the meta device: it holds no values to differentiate")
+    check_number("eps", eps)
+    check_count("n_entries", n_entries)
+    check_count("seed", seed, low=0)
+    check_flag("float64", float64)
+    if isinstance(index, bool) or (isinstance(index, (list, tuple)) and len(index) == 0):
+        raise DiagnoseValueError(f"index={index!r} names no entry: give a flat index, a tuple index, "
+                                 "a list of them, or None")
+    if model is not None and not isinstance(model, nn.Module):
+        raise DiagnoseTypeError(f"model must be a torch.nn.Module or None, not {type(model).__name__}")
     buffers = [(b, b.detach().clone()) for b in model.buffers()] if model is not None else []
     mode = _Float64 if float64 else None
 

@@ -3,6 +3,8 @@ returns the scalar loss. Anything else is one ``DiagnoseError`` line that says w
 
 from __future__ import annotations
 
+import inspect
+import math
 from typing import Any
 
 import numpy as np
@@ -24,6 +26,65 @@ class DiagnoseValueError(DiagnoseError, ValueError):
     pass
 
 
+def check_closure(closure: Any) -> None:
+    """Callable with no arguments: ``diagnose`` and ``check_derivative`` call ``closure()``."""
+    if not callable(closure):
+        raise DiagnoseTypeError(f"closure must be callable (closure() returns the loss), not {type(closure).__name__}")
+    try:
+        signature = inspect.signature(closure)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to inspect
+        return
+    required = [p.name for p in signature.parameters.values()
+                if p.default is inspect.Parameter.empty
+                and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                               inspect.Parameter.KEYWORD_ONLY)]
+    if required:
+        raise DiagnoseTypeError(
+            f"closure must take no arguments (it is called as closure()), but it requires {', '.join(required)}; "
+            "bind them first, e.g. lambda: loss_fn(model(x), y)")
+
+
+def check_number(name: str, value: Any, low: float = 0.0, high: float = math.inf, low_open: bool = True) -> None:
+    """A finite real number (not a bool, not NaN) above ``low`` (or at it) and at most ``high``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise DiagnoseTypeError(f"{name} must be a number, not {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value > high or value < low or (low_open and value == low):
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{']' if math.isfinite(high) else ')'}"
+        raise DiagnoseValueError(f"{name}={value!r} must be a finite number in {interval}")
+
+
+def check_count(name: str, value: Any, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise DiagnoseValueError(f"{name}={value!r} must be a whole number >= {low}")
+
+
+def check_flag(name: str, value: Any) -> None:
+    if not (isinstance(value, (bool, np.bool_)) or (isinstance(value, int) and value in (0, 1))):
+        raise DiagnoseTypeError(f"{name} must be True or False, not {type(value).__name__} {value!r}")
+
+
+def check_options(step: Any, tiny_factor: Any, stale_factor: Any, fp16_fraction: Any, rtol: Any,
+                  probe_paths: Any) -> None:
+    """``diagnose``'s keyword arguments: numbers in their ranges, flags as booleans."""
+    check_flag("step", step)
+    check_flag("probe_paths", probe_paths)
+    check_number("tiny_factor", tiny_factor, low=1.0, low_open=False)
+    check_number("stale_factor", stale_factor, low=0.0)
+    check_number("fp16_fraction", fp16_fraction, low=0.0, high=1.0)
+    check_number("rtol", rtol, low=0.0)
+
+
+def check_model_device(model: nn.Module) -> None:
+    """Parameters must hold values: a model on the meta device (built without storage) has none."""
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise DiagnoseValueError(
+            f"{type(model).__name__} has parameters on the meta device ({', '.join(meta[:3])}"
+            f"{', ...' if len(meta) > 3 else ''}): they hold no values; materialize the model first "
+            "(model.to_empty(device=...) and initialize it, or load its weights)")
+
+
 def check_inputs(model: Any, optimizer: Any, closure: Any) -> None:
     if not isinstance(model, nn.Module):
         raise DiagnoseTypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
@@ -31,13 +92,13 @@ def check_inputs(model: Any, optimizer: Any, closure: Any) -> None:
         raise DiagnoseTypeError(
             f"optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}"
             + (" (pass the optimizer, not its param_groups or a scheduler)" if optimizer is not None else ""))
-    if not callable(closure):
-        raise DiagnoseTypeError(f"closure must be callable (closure() returns the loss), not {type(closure).__name__}")
+    check_closure(closure)
     if not any(True for _ in model.parameters()):
         raise DiagnoseValueError(
             f"{type(model).__name__} has no registered parameters: nothing to diagnose "
             "(if its layers live in a plain list or tensor attribute, that is the bug: "
             "use nn.ModuleList / nn.Parameter)")
+    check_model_device(model)
 
 
 def check_loss(out: Any) -> torch.Tensor:

@@ -8,12 +8,14 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
 from gradrepro.config.compose import compose
+from gradrepro.errors import first_line
 from gradrepro.records.reader import read_run
 from gradrepro.records.run import RunRecords
 
@@ -32,23 +34,47 @@ def is_reference(overrides: Sequence[str]) -> bool:
     return any(o.startswith(REFERENCE_MARK) for o in overrides)
 
 
-def run_references(cfg: DictConfig, run_dir: Path, overrides: Sequence[str],
-                   train: TrainFn) -> Tuple[Dict[str, RunRecords], Dict[str, Dict[str, Any]]]:
-    """Run each reference experiment with ``train`` (the runner's ``run``) and return
-    (records by name, the essentials of each reference's summary)."""
+def reference_overrides(cfg: DictConfig, overrides: Sequence[str], experiment: str) -> list:
+    """The overrides a reference run is composed from: its experiment, and what it shares
+    with the run that asks for it."""
     carried = [f"{key}={OmegaConf.select(cfg, key)}" for key in REFERENCE_CARRY]
-    carried += [o for o in overrides if o.startswith("scale=")]
-    records, runs = {}, {}
+    return [f"experiment={experiment}", *carried, *(o for o in overrides if o.startswith("scale="))]
+
+
+@dataclass
+class References:
+    """The reference runs a run made: their records by name, the essentials of each summary,
+    and why they stopped short (``failed``: a reference that failed; None when they all ran)."""
+
+    records: Dict[str, RunRecords] = field(default_factory=dict)
+    runs: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    failed: Optional[str] = None
+
+
+def run_references(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], train: TrainFn) -> References:
+    """Run each reference experiment with ``train`` (the runner's ``run``). A reference that
+    is interrupted (the signal also reaches the run that asked for it) or fails ends the
+    series: no verdict is ever computed against a cut-short reference, so its records are
+    left out of ``records`` (its folder and summary stay)."""
+    out = References()
     for name, experiment in cfg.references.items():
-        ref_overrides = [f"experiment={experiment}", *carried]
-        ref_cfg = compose(ref_overrides)
+        ref_overrides = reference_overrides(cfg, overrides, experiment)
         ref_dir = run_dir / "references" / name
         log.info("reference %s: experiment=%s", name, experiment)
-        with contextlib.redirect_stdout(io.StringIO()):
-            summary = train(ref_cfg, ref_dir, [*ref_overrides, f"{REFERENCE_MARK}={cfg.name}"])
+        try:
+            ref_cfg = compose(ref_overrides)
+            with contextlib.redirect_stdout(io.StringIO()):
+                summary = train(ref_cfg, ref_dir, [*ref_overrides, f"{REFERENCE_MARK}={cfg.name}"])
+        except Exception as exc:  # noqa: BLE001 - said in the run's summary, never a verdict
+            out.failed = f"reference run {name} (experiment={experiment}) failed: {first_line(exc)}"
+            out.runs[name] = {"experiment": experiment, "overrides": ref_overrides, "status": "failed",
+                              "run_dir": f"references/{name}"}
+            break
+        out.runs[name] = {"experiment": experiment, "overrides": ref_overrides,
+                          "status": summary["status"], "wall_s": summary.get("wall_s"),
+                          "run_dir": f"references/{name}"}
+        if summary["status"] == "interrupted":
+            break
         ref = read_run(ref_dir)
-        records[name] = RunRecords(ref.scalars(), ref.modules(), summary["constants"])
-        runs[name] = {"experiment": experiment, "overrides": ref_overrides,
-                      "status": summary["status"], "wall_s": summary["wall_s"],
-                      "run_dir": f"references/{name}"}
-    return records, runs
+        out.records[name] = RunRecords(ref.scalars(), ref.modules(), summary.get("constants") or {})
+    return out

@@ -92,6 +92,9 @@ class MissingGrad:
         self.cfg = cfg
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        if not callable(getattr(model, "on_optimizer", None)):  # evaluate needs it: refused at build
+            raise ValueError(f"objective=missing_grad needs model=missing_grad (a model with the runner's "
+                             f"on_optimizer hook), not {type(model).__name__}")
         return model
 
     def __call__(self, net: nn.Module, batch: Batch) -> LossOutput:

@@ -6,8 +6,11 @@ folder and replaces the target with ``os.replace``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Dict
@@ -15,6 +18,7 @@ from typing import Any, Callable, Dict
 import numpy as np
 
 from gradrepro.errors import UserError
+from gradrepro.records.untrusted import file_kind
 
 SUMMARY = "summary.json"
 SCALARS = "scalars.parquet"
@@ -22,10 +26,45 @@ MODULES = "modules.parquet"
 FIGURE = "signals.png"
 
 
+def _tmp_prefix(path: Path) -> str:
+    # The writer's host and pid are in the name, so a later write can tell a temporary left by
+    # a killed process (removed) from one another process is writing now (left alone).
+    return f".{path.name}.{socket.gethostname()}-{os.getpid()}."
+
+
+def remove_stale_temporaries(folder: Path) -> None:
+    """Remove the atomic-write temporaries (``.NAME.HOST-PID.*.tmp``) in ``folder`` that a
+    process of this host, no longer running, left behind (``kill -9`` between write and
+    rename). Called before every write, so the next write into a folder cleans it."""
+    tag = f".{socket.gethostname()}-"
+    try:
+        leftovers = [p for p in Path(folder).glob(".*.tmp") if tag in p.name]
+    except OSError:
+        return
+    for tmp in leftovers:
+        pid = tmp.name.rsplit(tag, 1)[1].split(".", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
 def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     """Call ``write(tmp_path)``, then move the finished file onto ``path``."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_stale_temporaries(path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
@@ -34,6 +73,37 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def check_output_file(path: Path, what: str) -> Path:
+    """The file an output option (``--out``, ``--plot``) may write: a new file, or an existing
+    regular, writable one (a link to one: the file it names). A folder, a device, a FIFO or a
+    read-only file is refused with a UserError; so is a folder that cannot hold the file.
+    Returns the path to write (links resolved)."""
+    path = Path(os.path.expanduser(str(path)))
+    if path.is_symlink() or path.exists():
+        try:
+            info = path.stat()
+        except OSError as exc:
+            raise UserError(f"{what} {str(path)!r} cannot be written: {exc.strerror or exc}") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise UserError(f"{what} {str(path)!r} is {file_kind(info.st_mode)}, not a regular file: "
+                            "choose a file name")
+        if not info.st_mode & 0o222 or not os.access(path, os.W_OK):
+            raise UserError(f"{what} {str(path)!r} is read-only: choose another file or make it writable")
+        path = path.resolve()
+    check_writable_path(path.parent, f"the folder of {what}")
+    return path
+
+
+def write_output(path: Path, write: Callable[[str], None], what: str) -> None:
+    """``atomic_write`` for a user-named output: any OS error (a read-only or full disk) is
+    one UserError line."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, write)
+    except OSError as exc:
+        raise UserError(f"could not write {what} {str(path)!r}: {exc.strerror or exc}") from None
 
 
 def _umask() -> int:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import pandas as pd
@@ -19,6 +19,7 @@ class Records:
         self.run_dir = Path(run_dir)
         self.scalar_rows: List[Dict[str, float]] = []
         self.module_blocks: List[Dict[str, np.ndarray]] = []
+        self.saved_through: Dict[str, Optional[int]] = {}  # file -> last step it holds on disk
 
     def add_scalars(self, row: Dict[str, float]) -> None:
         self.scalar_rows.append(row)
@@ -51,9 +52,27 @@ class Records:
     def close(self) -> None:
         """Release whatever a subclass holds open (a logger's writer); the files stay."""
 
-    def flush(self) -> None:
-        """Write both Parquet files (atomically); safe to call at any time."""
-        scalars, modules = self.scalars(), self.modules()
-        atomic_write(self.run_dir / SCALARS, lambda tmp: scalars.to_parquet(tmp, index=False))
-        atomic_write(self.run_dir / MODULES, lambda tmp: modules.to_parquet(tmp, index=False))
+    def write_all(self) -> List[str]:
+        """Write both Parquet files (atomically), each on its own: one that cannot be written
+        (a full disk) leaves its last complete version in place. Returns one line per file
+        not written, saying what its file on disk holds instead."""
+        missing = []
+        for name, frame in ((SCALARS, self.scalars()), (MODULES, self.modules())):
+            try:
+                atomic_write(self.run_dir / name, lambda tmp, f=frame: f.to_parquet(tmp, index=False))
+            except OSError as exc:
+                kept = self.saved_through.get(name)
+                held = (f"it holds the steps up to {kept} (an earlier write)" if kept is not None
+                        else "no earlier write exists")
+                missing.append(f"{name}: not written ({exc.strerror or exc}); {held}")
+                continue
+            steps = frame["step"] if "step" in frame and len(frame) else None
+            self.saved_through[name] = int(steps.max()) if steps is not None else None
+        return missing
 
+    def flush(self) -> None:
+        """Write both Parquet files (atomically); safe to call at any time. OSError if one
+        could not be written (the other still is)."""
+        missing = self.write_all()
+        if missing:
+            raise OSError("; ".join(missing))

@@ -15,12 +15,13 @@ import torch
 from torch import nn
 
 from gradrepro.data import ImageData, build_data
-from gradrepro.errors import UserError
+from gradrepro.errors import UserError, first_line, quiet_unless_it_fails
 from gradrepro.models import build_model
 from gradrepro.objectives import build_objective
 from gradrepro.probe import Probe
+from gradrepro.train.forward_check import check_forward
 from gradrepro.train.init import initialize
-from gradrepro.train.mode_policy import hold_eval, modes_kept
+from gradrepro.train.mode_policy import hold_eval
 from gradrepro.train.optim import build_optimizer, freeze
 from gradrepro.train.precision import Precision
 
@@ -68,39 +69,26 @@ class Training(Untrained):
 def build_training(cfg: Any, device: torch.device) -> Training:
     """Build the run; a value only the building code rejects (a size, a missing table entry,
     a model and data that do not fit) is a UserError of one line."""
-    what = "data"
-    try:
-        data = build_data(cfg.data, cfg.seed).to(device)
-        check_data_shape(data, cfg.data)
-        what = "model, objective or optimizer"
-        parts = build_untrained(cfg)
-        parts.net.to(device).train()
-        held = hold_eval(parts.net, list(cfg.train.eval_modules))
-        # A network may act once its optimizer exists (a case that replaces a module after the
-        # optimizer was built; an evaluation that diagnoses one step of that optimizer).
-        if callable(getattr(parts.net, "on_optimizer", None)):
-            parts.net.on_optimizer(parts.optimizer)
-        precision = Precision(cfg.precision, device)
-        probe = Probe(parts.net, cfg.probe, cfg.train.steps, weight_decay=float(cfg.optim.weight_decay))
-        what = "objective"
+    with quiet_unless_it_fails():  # a refusal is one line, not torch's warnings first
+        what = "data"
+        try:
+            data = build_data(cfg.data, cfg.seed).to(device)
+            check_data_shape(data, cfg.data)
+            what = "model, objective or optimizer"
+            parts = build_untrained(cfg)
+            parts.net.to(device).train()
+            held = hold_eval(parts.net, list(cfg.train.eval_modules))
+            # A network may act once its optimizer exists (a case that replaces a module after the
+            # optimizer was built; an evaluation that diagnoses one step of that optimizer).
+            if callable(getattr(parts.net, "on_optimizer", None)):
+                parts.net.on_optimizer(parts.optimizer)
+            precision = Precision(cfg.precision, device)
+            probe = Probe(parts.net, cfg.probe, cfg.train.steps, weight_decay=float(cfg.optim.weight_decay))
+        except (ValueError, TypeError, KeyError, IndexError, RuntimeError, MemoryError) as exc:
+            raise UserError(f"the {what} cannot be built from this config: {first_line(exc)}") from None
+        # Says itself what went wrong (a device, dtype or shape mismatch, ...): its own UserError.
         check_forward(parts.objective, parts.net, data, cfg.seed)
-    except (ValueError, TypeError, KeyError, IndexError, RuntimeError, MemoryError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        if what == "objective":
-            raise UserError(f"the model and the data do not fit together (data.num_classes, "
-                            f"model.num_classes, sizes?): {first}") from None
-        raise UserError(f"the {what} cannot be built from this config: {first}") from None
     return Training(**vars(parts), data=data, precision=precision, probe=probe, held=held)
-
-
-def check_forward(objective: Any, net: nn.Module, data: ImageData, seed: int) -> None:
-    """One loss on one batch before training, so that a model and data that do not fit
-    (fewer logits than classes, say) are one line, not a traceback at step 0. Changes no
-    state: eval mode (BatchNorm statistics untouched), no gradients, its own generator."""
-    with modes_kept(net):  # restored exactly (a mode policy)
-        net.eval()
-        with torch.no_grad():
-            objective(net, data.sample(torch.Generator().manual_seed(seed)))
 
 
 def check_data_shape(data: ImageData, cfg_data: Any) -> None:

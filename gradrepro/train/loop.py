@@ -11,27 +11,31 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Sequence
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from gradrepro.analysis.run_figure import plot_signals
 from gradrepro.config.validate import validate
+from gradrepro.errors import UserError, first_line
 from gradrepro.measure.frozen_audit import FrozenAudit
 from gradrepro.measure.init_reference import measure_reference
 from gradrepro.measure.mode_pass import mode_pass
-from gradrepro.measure.reference_runs import is_reference, run_references
+from gradrepro.measure.reference_runs import References, is_reference, run_references
 from gradrepro.records import open_records
-from gradrepro.records.files import FIGURE, SUMMARY, ensure_writable_dir, write_json
+from gradrepro.records.claim import holding
+from gradrepro.records.files import FIGURE, MODULES, SCALARS, SUMMARY, ensure_writable_dir
 from gradrepro.records.run import RunRecords
 from gradrepro.records.writer import Records
-from gradrepro.signature import Verdict, evaluate, format_verdict
+from gradrepro.signature import evaluate, format_verdict
 from gradrepro.train.build import Training, build_training
+from gradrepro.train.finish import Outcome, RunState, full_summary
+from gradrepro.train.footprint import check_footprint
 from gradrepro.train.mode_policy import hold_eval
 from gradrepro.train.session import (
     SafeBar,
@@ -39,7 +43,6 @@ from gradrepro.train.session import (
     flush_seconds,
     resolve_device,
     seed_everything,
-    versions,
 )
 
 log = logging.getLogger(__name__)
@@ -48,79 +51,114 @@ log = logging.getLogger(__name__)
 def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[str, Any]:
     """Train as ``cfg`` says, write the run directory, return the summary.
 
-    Whatever ends the run (the last step, a non-finite loss or gradient, SIGINT/SIGTERM, an
-    exception), the records so far are written and ``summary.json`` says which it was
-    (``status``); an exception is re-raised after that.
+    The folder is claimed first (``records/claim.py``): one that another run holds or that
+    already holds a run is refused. Whatever then ends the run (the last step, a non-finite
+    loss or gradient, SIGINT/SIGTERM at any point, an exception), the records so far are
+    written and ``summary.json`` says which it was (``status``); an exception is re-raised
+    after that, a signal is a result (``status: interrupted``).
     """
     validate(cfg)
     run_dir = Path(run_dir)
-    ensure_writable_dir(run_dir)  # before any work: a read-only or full disk is one line
-    with StopRequest() as stop:
-        return _run(cfg, run_dir, overrides, stop)
+    start = time.perf_counter()
+    # Hydra's own record of this job (.hydra/) is already there; another run's records are not.
+    with holding(run_dir, markers=(SUMMARY, SCALARS, MODULES)):
+        ensure_writable_dir(run_dir)  # before any work: a read-only or full disk is one line
+        with StopRequest() as stop:
+            state = RunState(cfg, run_dir, overrides, start)
+            try:
+                return _run(cfg, run_dir, overrides, stop, state)
+            except KeyboardInterrupt:  # a second signal outside the steps: stop now, say so
+                if state.summary is not None:
+                    return state.interrupted(stop.signal or signal.SIGINT)
+                return state.salvage("interrupted", stop.signal or signal.SIGINT)
+            except BaseException as exc:
+                if state.summary is None:
+                    state.salvage("failed", None, exc)
+                raise
 
 
-@dataclass
-class Outcome:
-    """How the training steps ended."""
-
-    status: str = "completed"  # completed | diverged | interrupted | failed
-    stopped_at: Optional[int] = None
-    step: int = 0
-    skipped: int = 0  # optimizer steps the loss scaler skipped
-    error: Optional[BaseException] = None
-
-
-def _run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopRequest) -> Dict[str, Any]:
+def _run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopRequest,
+         state: RunState) -> Dict[str, Any]:
     device = resolve_device(cfg.device)
     torch.set_num_threads(cfg.threads)
+    check_footprint(cfg)  # a config larger than the free memory: one line, not a killed process
     seed_everything(cfg.seed, device)
-    start = time.perf_counter()
     t = build_training(cfg, device)
     audit = FrozenAudit(t.net, t.frozen, t.data.eval_sets()[2][:256]) if t.frozen else None
-    records = open_records(cfg.logger, run_dir, t.net)  # logger=tensorboard also writes there
+    records = state.records = open_records(cfg.logger, run_dir, t.net)  # logger=tensorboard also writes there
     generator = torch.Generator().manual_seed(cfg.seed)
 
     def evaluate_at(step: int) -> None:
         records.add_scalars({"step": step, **t.objective.evaluate(t.net, t.data, knn_k=cfg.eval.knn_k)})
         hold_eval(t.net, t.held)  # evaluate's net.train() put every module back in train mode
 
-    evaluate_at(0)
+    try:
+        evaluate_at(0)
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as exc:  # before any step: the config
+        raise UserError(f"the evaluation before training failed (objective={cfg.objective.name}, "
+                        f"model={cfg.model.name}): {first_line(exc)}") from None
     constants = {f"{k}_init": v for k, v in records.scalar_rows[0].items() if k != "step"}
     if cfg.init.reference:
         constants.update(measure_reference(cfg, t.data, t.objective, t.init_rng, generator, device))
-    outcome = _train_steps(cfg, t, records, generator, stop, evaluate_at)
-    if outcome.status == "completed" and cfg.train.steps > 0:
-        evaluate_at(cfg.train.steps)
+    outcome = state.outcome = _train_steps(cfg, t, records, generator, stop, evaluate_at)
+    _after_steps(cfg, t, outcome, stop, evaluate_at)
     # An interrupted run stops quickly: the records up to the signal are what the user asked
     # to keep. A diverged or failed run is evaluated on what exists.
-    records.flush()
+    missing = records.write_all()
     records.close()
     if audit is not None:
         constants.update(audit.finish(t.net))
     if cfg.eval.mode_pass.mode is not None and outcome.status == "completed":
         constants.update(mode_pass(t.net, t.objective, t.data, cfg.eval.mode_pass, t.held))
-
     scalars, modules = records.scalars(), records.modules()
-    references, reference_runs = {}, {}
-    if outcome.status == "completed" and cfg.references and not is_reference(overrides):
-        references, reference_runs = run_references(cfg, run_dir, overrides, train=run)
-    verdict = evaluate(cfg.signature, RunRecords(scalars, modules, constants, references))
-    summary = _summary(cfg, t, outcome, verdict, constants, reference_runs, overrides, device, start)
-    if outcome.status == "interrupted":
-        summary["signal"] = stop.name or "SIGINT"
-    if outcome.error is not None:
-        summary["error"] = f"{type(outcome.error).__name__}: {outcome.error}"
-    write_json(run_dir / SUMMARY, summary)
-    if outcome.error is not None:
+    refs = References()
+    if outcome.status == "completed" and stop.signal is None and cfg.references and not is_reference(overrides):
+        refs = run_references(cfg, run_dir, overrides, train=run)
+        if refs.failed:
+            outcome.stop("failed", RuntimeError(refs.failed))
+    if stop.signal is not None:  # during the final evaluation, the mode pass or a reference run
+        outcome.stop("interrupted")
+    verdict = evaluate(cfg.signature, RunRecords(scalars, modules, constants, refs.records))
+    summary = state.write(full_summary(cfg, t, outcome, verdict, constants, refs.runs, device, state,
+                                       stop.name, missing))
+    if outcome.error is not None and not refs.failed:
         raise outcome.error
-    try:
-        plot_signals(scalars, modules, run_dir / FIGURE, f"{cfg.name} (seed {cfg.seed}, {outcome.status})",
-                     cfg.key_scalar)
-    except Exception as exc:  # noqa: BLE001 - a figure never costs the records
-        log.warning("could not draw %s: %s", FIGURE, exc)
-    print(format_verdict(verdict, cfg.name))
+    cut = _draw_figure(cfg, scalars, modules, run_dir, outcome.status)
+    if (cut or stop.signal is not None) and outcome.status in ("completed", "diverged"):
+        outcome.stop("interrupted")  # a signal while the figure was drawn: said, not ignored
+        summary = state.interrupted(stop.signal or signal.SIGINT)
+    if outcome.status == "interrupted":
+        print(f"{cfg.name}: interrupted ({summary.get('signal')}); no verdict")
+    else:
+        print(format_verdict(verdict, cfg.name))
     print(f"status: {outcome.status}; run directory: {run_dir}")
     return summary
+
+
+def _after_steps(cfg: DictConfig, t: Training, outcome: Outcome, stop: StopRequest,
+                 evaluate_at: Callable[[int], None]) -> None:
+    """The final evaluation of a run whose steps all ran, unless a signal came first."""
+    if stop.signal is not None:
+        outcome.stop("interrupted")
+    if outcome.status != "completed" or cfg.train.steps <= 0:
+        return
+    try:
+        evaluate_at(cfg.train.steps)
+    except Exception as exc:  # noqa: BLE001 - a bug: keep what was recorded, then re-raise
+        outcome.stop("failed", exc)
+
+
+def _draw_figure(cfg: DictConfig, scalars, modules, run_dir: Path, status: str) -> bool:
+    """signals.png; a failure costs nothing but the figure. True if a second signal cut it."""
+    try:
+        plot_signals(scalars, modules, run_dir / FIGURE, f"{cfg.name} (seed {cfg.seed}, {status})",
+                     cfg.key_scalar)
+    except KeyboardInterrupt:
+        log.warning("%s not drawn: interrupted", FIGURE)
+        return True
+    except Exception as exc:  # noqa: BLE001 - a figure never costs the records
+        log.warning("could not draw %s: %s", FIGURE, exc)
+    return False
 
 
 def _train_steps(cfg: DictConfig, t: Training, records: Records, generator: torch.Generator,
@@ -198,34 +236,6 @@ def _step(cfg: DictConfig, t: Training, records: Records, generator: torch.Gener
     bar.set_postfix(loss=f"{loss_value:.4f}", **(
         {cfg.key_scalar: f"{row[cfg.key_scalar]:.4g}"} if cfg.key_scalar in row else {}))
     return True, diverged or (nonfinite_grads and not t.precision.skips_nonfinite)
-
-
-def _summary(cfg: DictConfig, t: Training, outcome: Outcome, verdict: Verdict, constants: Dict[str, Any],
-             reference_runs: Dict[str, Any], overrides: Sequence[str], device: torch.device,
-             start: float) -> Dict[str, Any]:
-    """summary.json (the run directory contract in README.md)."""
-    completed = outcome.status == "completed"
-    return {
-        "experiment": cfg.name,
-        "control": cfg.control,
-        "claim": cfg.claim,
-        "reproduced": verdict.reproduced,
-        "checks": verdict.as_dicts(),
-        "paper": OmegaConf.to_container(cfg.paper, resolve=True),
-        "status": outcome.status,
-        "stopped_at": outcome.stopped_at,
-        "steps": outcome.step if completed else (0 if outcome.stopped_at is None else outcome.stopped_at + 1),
-        "wall_s": round(time.perf_counter() - start, 3),
-        "seed": cfg.seed,
-        "overrides": list(overrides),
-        "constants": constants,
-        "references": reference_runs,
-        "frozen": t.frozen,
-        "eval_modules": t.held,
-        "versions": versions(),
-        "device": str(device) if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})",
-        "threads": cfg.threads,
-    }
 
 
 def total_grad_norm(columns: Dict[str, np.ndarray]) -> float:

@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 import gradrepro
-from gradrepro.errors import UserError
+from gradrepro.errors import UserError, stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -72,21 +72,31 @@ def versions() -> Dict[str, Optional[str]]:
 
 
 class StopRequest:
-    """SIGINT/SIGTERM set a flag; the loop finishes its step, records, and stops."""
+    """SIGINT/SIGTERM set a flag; the loop finishes its step, records, and stops. A second
+    signal raises KeyboardInterrupt (stop now; the records are still written). Nested (a
+    reference run inside a run): a signal is also passed to the enclosing request, so the
+    run that asked for the reference stops too instead of starting the next one."""
 
     def __init__(self) -> None:
         self.signal: Optional[int] = None
         self._previous: Dict[int, Any] = {}
+        self.parent: Optional["StopRequest"] = None
 
     def __enter__(self) -> "StopRequest":
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in stop_signals():
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread (some launchers): leave signals alone
                 pass
+        owners = [getattr(h, "__self__", None) for h in self._previous.values()]
+        self.parent = next((o for o in owners if isinstance(o, StopRequest)), None)
         return self
 
     def _handle(self, signum, frame) -> None:
+        request: Optional[StopRequest] = self.parent
+        while request is not None:  # every enclosing run stops as well
+            request.signal = request.signal or signum
+            request = request.parent
         if self.signal is not None:  # a second signal: stop now (the records are still written)
             raise KeyboardInterrupt
         self.signal = signum
