@@ -37,6 +37,17 @@ def log2_histogram(g: torch.Tensor) -> torch.Tensor:
     return torch.bincount(idx, minlength=len(HIST_COLUMNS)).float()
 
 
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient (``nn.Embedding(sparse=True)``) as the dense tensor it stands for."""
+    return t.to_dense() if t.is_sparse else t
+
+
+def as_real32(t: torch.Tensor) -> torch.Tensor:
+    """float32 values to summarise: a complex tensor by its entries' moduli (same norm, same
+    zeros), any other by itself (a copy only below float32)."""
+    return t.abs().float() if t.is_complex() else t.float()
+
+
 def _norms(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     if not tensors:
         return []

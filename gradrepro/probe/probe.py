@@ -32,7 +32,9 @@ from gradrepro.probe.kernels import (
     _norms,
     _stat_rows,
     _std,
+    as_real32,
     counts_from_level_sums,
+    dense,
     grad_std_from_sums,
     level_sums,
     log2_histogram,
@@ -82,9 +84,9 @@ class ProbeStep:
 class Probe:
     """Collects the metrics of ``modules.parquet`` for one network."""
 
-    def __init__(self, net: nn.Module, cfg, total_steps: int, weight_decay: float = 0.0) -> None:
+    def __init__(self, net: nn.Module, cfg, total_steps: Optional[int], weight_decay: float = 0.0) -> None:
         self.cfg = cfg
-        self.total_steps = total_steps
+        self.total_steps = total_steps  # None: not known in advance (a user's own loop)
         # The optimizer's weight decay: grad_to_decay = ||grad of the loss|| / ||wd * w||
         # (He et al. 2015, footnote 2); 0 leaves the column NaN.
         self.weight_decay = weight_decay
@@ -132,7 +134,7 @@ class Probe:
     # -- the protocol ---------------------------------------------------------------------
     def logs(self, step: int) -> bool:
         """Every ``probe.every`` steps, the last step, and the running-sum window."""
-        return (step % self.cfg.every == 0 or step == self.total_steps - 1
+        return (step % self.cfg.every == 0 or step == (self.total_steps or 0) - 1
                 or step < self.cfg.running_sum_steps)
 
     def step(self, step: int, lr: float = math.nan, loss_scale: float = 1.0) -> ProbeStep:
@@ -235,8 +237,8 @@ class Probe:
     def _collect(self) -> None:
         grads = [p.grad for p in self.params]
         have = [i for i, g in enumerate(grads) if g is not None]
-        gs = [grads[i].detach() for i in have]
-        gs_f32 = [g.float() for g in gs]  # a copy only for half-precision gradients: made once
+        gs = [dense(grads[i].detach()) for i in have]
+        gs_f32 = [as_real32(g) for g in gs]  # a copy only for half-precision gradients: made once
         device = self.params[0].device
         g_norm = _norms(gs_f32)
         # This step's own gradient: .grad minus what it carried in (all of .grad after zero_grad).
@@ -244,7 +246,7 @@ class Probe:
         self._carried = None
         fresh = gs if carried is None else [
             g if carried[i] is None else g - carried[i] for i, g in zip(have, gs)]
-        fresh_norm = g_norm if carried is None else _norms([f.float() for f in fresh])
+        fresh_norm = g_norm if carried is None else _norms([as_real32(f) for f in fresh])
         if self._summing:
             if self._running is None:
                 self._running = [torch.zeros_like(p, dtype=torch.float64) for p in self.params]
@@ -252,7 +254,7 @@ class Probe:
                 self._running[i] += f.double()
         sums = _grad_sums(gs_f32, lambda n: self._scratch_for(n, device))
         params = [p.detach() for p in self.params]
-        p_norm = _norms([p.float() for p in params])
+        p_norm = _norms([as_real32(p) for p in params])
         # One copy of the parameters (kept between logged steps) for update/param ratios.
         if self._buffer is None:
             self._buffer = [p.clone() for p in params]
@@ -281,7 +283,7 @@ class Probe:
         else:
             for b, p in zip(self._buffer, params):
                 b.sub_(p)
-        u_norm = torch.stack(_norms([b.float() for b in self._buffer])).double()
+        u_norm = torch.stack(_norms([as_real32(b) for b in self._buffer])).double()
         device = u_norm.device
         mods = self.module_of
         nan2 = torch.full((2,), float("nan"), device=device)
@@ -320,13 +322,13 @@ class Probe:
         g_std = np.full(n, np.nan)
         g_std[have] = grad_std_from_sums(per_grad[0], per_grad[1], self.numel[have], zeros)
         for j in np.flatnonzero(np.isnan(g_std[have_idx]) & (self.numel[have_idx] > 1)):
-            g_std[have_idx[j]] = float(pending["grads"][j].float().std())  # rare: two passes, one sync
+            g_std[have_idx[j]] = float(as_real32(pending["grads"][j]).std())  # rare: two passes, one sync
         nonfinite = np.zeros(n)
         for j in np.flatnonzero(~np.isfinite(g_norm[have_idx])):  # rare: count exactly, one extra sync
             i, g = have_idx[j], pending["grads"][j]
             nonfinite[i] = float((~torch.isfinite(g)).sum())
             nonzero[i] = float(torch.count_nonzero(g))
-            small[i] = float((g.float().abs() <= FP16_FLUSH).sum())
+            small[i] = float((as_real32(g).abs() <= FP16_FLUSH).sum())
         numel = np.maximum(self.numel, 1)
         with np.errstate(divide="ignore", invalid="ignore"):
             # A zero-initialised tensor (a bias, BN's beta) has no meaningful ratio: NaN.
@@ -404,3 +406,17 @@ class Probe:
                 denom = torch.linalg.vector_norm(target)
                 out[row, i] = torch.linalg.vector_norm(stepped - target) / denom
         return out
+
+
+def total_grad_norm(columns: Dict[str, np.ndarray]) -> float:
+    """The whole model's gradient norm: tensors without a gradient (``none``) are left out,
+    a non-finite one makes the total non-finite (it is recorded, never dropped)."""
+    has_grad = columns["grad_state"] != "none"
+    return float(np.sqrt(np.sum(np.asarray(columns["grad_norm"], dtype=float)[has_grad] ** 2)))
+
+
+def step_norms(columns: Dict[str, np.ndarray]) -> Dict[str, float]:
+    """One logged step's whole-model gradient norms, as ``scalars.parquet`` records them:
+    ``grad_norm`` (what ``.grad`` held) and ``fresh_grad_norm`` (this step's backward alone)."""
+    return {"grad_norm": total_grad_norm(columns),
+            "fresh_grad_norm": float(np.sqrt(np.nansum(np.asarray(columns["fresh_grad_norm"], dtype=float) ** 2)))}

@@ -2,7 +2,8 @@
 
 A run folder is any folder holding ``summary.json``, ``.hydra/config.yaml`` or
 ``scalars.parquet``; a sweep folder is any folder above some. A run killed mid-way (no
-``summary.json``, or ``status: interrupted``) is kept and marked incomplete; a folder
+``summary.json``, or ``status: interrupted``) and a recording still in progress (``status:
+running``, written by ``gradrepro.record``) are kept and marked incomplete; a folder
 whose summary cannot be read is skipped, and the reason is returned beside the runs.
 """
 
@@ -21,6 +22,8 @@ from gradrepro.config.resolvers import register_resolvers
 from gradrepro.records.files import MODULES, SCALARS, SUMMARY
 from gradrepro.records.run import RunRecords
 
+# Statuses of a run that did not finish: stopped by a signal, or (gradrepro.record) still recording.
+INCOMPLETE = ("interrupted", "running")
 HYDRA_CONFIG = Path(".hydra") / "config.yaml"
 HYDRA_OVERRIDES = Path(".hydra") / "overrides.yaml"
 _MARKERS = (SUMMARY, str(HYDRA_CONFIG), SCALARS)
@@ -52,7 +55,7 @@ class Run:
         status = self.summary.get("status")
         if status is None:
             return "incomplete (no summary.json)"
-        return f"incomplete ({status})" if status == "interrupted" else str(status)
+        return f"incomplete ({status})" if status in INCOMPLETE else str(status)
 
     def scalars(self) -> pd.DataFrame:
         return pd.read_parquet(self.path / SCALARS)
@@ -142,7 +145,7 @@ def read_run(run_dir: Path) -> Run:
         }
         overrides = parse_overrides(listed or [])
         notes.append(f"no {SUMMARY} (killed mid-way?): listed as incomplete")
-    complete = summary.get("status") not in (None, "interrupted")
+    complete = summary.get("status") not in (None, *INCOMPLETE)
     run = Run(run_dir, summary, overrides, complete, notes=notes)
     try:
         scalars = pd.read_parquet(run_dir / SCALARS)

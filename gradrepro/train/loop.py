@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence
 
-import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -26,6 +25,7 @@ from gradrepro.measure.frozen_audit import FrozenAudit
 from gradrepro.measure.init_reference import measure_reference
 from gradrepro.measure.mode_pass import mode_pass
 from gradrepro.measure.reference_runs import is_reference, run_references
+from gradrepro.probe.probe import step_norms
 from gradrepro.records import open_records
 from gradrepro.records.files import FIGURE, SUMMARY, ensure_writable_dir, write_json
 from gradrepro.records.run import RunRecords
@@ -189,9 +189,7 @@ def _step(cfg: DictConfig, t: Training, records: Records, generator: torch.Gener
     columns = p.columns
     records.add_modules(columns)
     row = {"step": step, "loss": loss_value, "lr": t.scheduler.get_last_lr()[0],
-           "loss_scale": t.precision.loss_scale, "skipped_steps": outcome.skipped,
-           "grad_norm": total_grad_norm(columns),
-           "fresh_grad_norm": float(np.sqrt(np.nansum(columns["fresh_grad_norm"] ** 2)))}
+           "loss_scale": t.precision.loss_scale, "skipped_steps": outcome.skipped, **step_norms(columns)}
     row.update({k: float(v) for k, v in out.scalars.items()})
     records.add_scalars(row)
     nonfinite_grads = bool((columns["grad_state"] == "nonfinite").any())
@@ -226,13 +224,6 @@ def _summary(cfg: DictConfig, t: Training, outcome: Outcome, verdict: Verdict, c
         "device": str(device) if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})",
         "threads": cfg.threads,
     }
-
-
-def total_grad_norm(columns: Dict[str, np.ndarray]) -> float:
-    """The whole model's gradient norm: tensors without a gradient (``none``) are left out,
-    a non-finite one makes the total non-finite (it is recorded, never dropped)."""
-    has_grad = columns["grad_state"] != "none"
-    return float(np.sqrt(np.sum(np.asarray(columns["grad_norm"], dtype=float)[has_grad] ** 2)))
 
 
 def flush_or_warn(records: Records) -> None:
