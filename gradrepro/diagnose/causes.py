@@ -42,6 +42,14 @@ _NOT_CUTS = frozenset({"__get__", "__set__", "size", "dim", "numel", "stride", "
                        "is_floating_point", "is_complex", "zeros_like", "ones_like", "empty_like", "full_like",
                        "rand_like", "randn_like", "randint_like", "new_zeros", "new_ones", "new_empty",
                        "new_full", "new_tensor", "_set_grad_enabled"})
+# What a cutting call is, for the report's wording.
+_LABELS = (
+    (frozenset({"gt", "lt", "ge", "le", "eq", "ne", "greater", "less", "greater_equal", "less_equal", "equal",
+                "not_equal", "isclose", "isfinite", "isnan", "isinf"}), "a comparison"),
+    (frozenset({"argmax", "argmin", "argsort", "argwhere", "nonzero", "topk", "sort", "searchsorted",
+                "bucketize", "multinomial"}), "an index"),
+    (frozenset({"long", "int", "short", "bool", "byte", "char"}), "an integer cast"),
+)
 _MAX_CUTS = 200  # recorded calls per forward pass
 _PERTURB = 0.01  # scale of the random values a zero-initialised weight takes in the counterfactual
 
@@ -54,14 +62,15 @@ class Cut:
     leaves: frozenset  # ids of the leaf tensors upstream of the call
 
     def describe(self) -> str:
+        what = next((f"{label}, " for names, label in _LABELS if self.op.strip("_") in names), "")
         how = {
-            "zero_derivative": "whose derivative is zero everywhere",
+            "zero_derivative": "a non-differentiable step function: autograd takes its derivative as zero everywhere",
             "no_gradient": "a non-differentiable operation: its output carries no gradient",
             "detach": "which cuts the graph on purpose",
             "python": "which turns the tensor into a Python value, outside the graph",
             "no_grad": "computed under torch.no_grad(): nothing after it is recorded",
         }[self.kind]
-        return f"{self.op} at {self.site} ({how})"
+        return f"{self.op} at {self.site} ({what}{how})"
 
 
 class _CutRecorder(TorchFunctionMode):
