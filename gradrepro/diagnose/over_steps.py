@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from gradrepro.diagnose.report import ERROR, INFO, WARNING, Finding
+from gradrepro.records.run import parameter_names
 
 # kind, the probe's state (or "not_updated"), what it means
 _STATES = (
@@ -24,12 +25,6 @@ _STATES = (
     ("tiny_gradient", "tiny", "a tiny gradient (grad/param ratio far below the model's median)"),
     ("not_updated", "not_updated", "a finite gradient but no change at the step"),
 )
-
-
-def parameter_names(modules: pd.DataFrame) -> pd.Series:
-    """``module.param`` as named_parameters() names it (a root parameter by its own name)."""
-    module, param = modules["module"].astype(str), modules["param"].astype(str)
-    return np.where(module == "<root>", param, module + "." + param)
 
 
 def findings_over_steps(modules: pd.DataFrame, frozen: Collection[str] = (),
