@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, run_cli, run_module
+from conftest import ROOT, run_module
 from torch import nn
 
 import gradrepro
@@ -76,15 +76,13 @@ def test_record_writes_the_run_folder_and_compare_reads_it(tmp_path):
     assert row["final_loss"] == scalars["loss"].iloc[-1]
 
 
-def test_compare_reads_a_recording_beside_a_built_in_run(tmp_path):
-    builtin = run_cli(tmp_path / "builtin", "experiment=zero_grad_baseline", "scale=tiny", "threads=1")
-    assert builtin.returncode == 0, builtin.stderr[-2000:]
+def test_compare_reads_a_recording_beside_a_built_in_run(tmp_path, tiny_runs):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with gradrepro.record(model, opt, tmp_path / "mine", every=1) as rec:
         train(model, opt, batches(3), rec)
-    proc = run_module("gradrepro.compare", str(tmp_path / "builtin"), str(tmp_path / "mine"), "--table", "runs",
-                      "--format", "csv", timeout=120)
+    proc = run_module("gradrepro.compare", str(tiny_runs["zero_grad_baseline"]), str(tmp_path / "mine"),
+                      "--table", "runs", "--format", "csv", timeout=120)
     assert proc.returncode == 0, proc.stderr
     table = pd.read_csv(pd.io.common.StringIO(proc.stdout))
     assert set(table["experiment"]) == {"zero_grad_baseline", "mine"}
