@@ -35,9 +35,12 @@ that one step (the step the report describes; it is not undone, so parameters an
 state stay consistent). With ``step=False`` neither changes. In both cases every ``.grad`` is
 put back as it was before the call (``None`` stays ``None``; a stale gradient stays, so the
 report does not hide it), registered buffers (batch-norm statistics) are restored, and the
-train/eval mode is untouched. The closure may be called a few more times, without gradients
-and with a fixed random seed, to test whether the loss depends on a parameter that received no
-gradient (``probe_paths``); those calls are undone too.
+train/eval mode is untouched. The closure may be called a few more times with a fixed random
+seed (``probe_paths``): to test whether the loss depends on a parameter that received no
+gradient, to find what cuts a missing or zero gradient's path, and to test a zero-initialised
+weight as its cause; those calls are undone too. Lazy modules stay initialised (by one dry run,
+as their first training step would), and a forward pass that rewrites a parameter in place
+(``nn.Embedding(max_norm=...)``) does so as it would in training.
 """
 
 from __future__ import annotations
