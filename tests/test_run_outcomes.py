@@ -70,11 +70,13 @@ def test_divergence_is_a_result_with_its_records(cli):
 def test_total_grad_norm_keeps_non_finite_and_skips_missing_gradients():
     import numpy as np
 
+    from gradrepro.probe.probe import total_grad_norm
+
     cols = {"grad_state": np.array(["finite", "none", "finite"], dtype=object),
             "grad_norm": np.array([3.0, np.nan, 4.0])}
-    assert runner.total_grad_norm(cols) == 5.0
+    assert total_grad_norm(cols) == 5.0
     cols["grad_state"][2], cols["grad_norm"][2] = "nonfinite", np.inf
-    assert runner.total_grad_norm(cols) == math.inf
+    assert total_grad_norm(cols) == math.inf
 
 
 # --- interruption -------------------------------------------------------------------------

@@ -8,28 +8,39 @@
 and unchanged parameters": keep registration, graph participation, gradient accumulation and
 optimizer membership apart, and verify one transition against an independent expectation.
 Each step is a module of this package: ``inputs``, ``registration``, ``transition``
-(snapshot, backward, classify, step and predict with ``update_rule``), ``findings``, and
-``derivative`` (``check_derivative``, an independent derivative by finite differences).
+(snapshot, backward, classify, step and predict with ``update_rule``), ``causes``,
+``used_gradient``, ``findings`` and ``step_findings`` (what is reported, in the vocabulary of
+``report``), and ``derivative`` (``check_derivative``, an independent derivative by finite
+differences).
 
+0. lazy modules (``nn.LazyLinear``, ...) not yet initialised get one dry run of the closure
+   (eval mode, no gradients), as PyTorch asks before training;
 1. registration (``named_parameters``, plus a scan of plain attributes, lists, tuples and dicts
-   for modules and requires-grad tensors that are not registered) and optimizer membership,
-   both by identity;
+   for modules and requires-grad tensors that are not registered, and for non-leaf copies
+   whose graph leads to a leaf nothing holds) and optimizer membership, both by identity;
 2. gradients already present (a missing ``zero_grad`` boundary), then the parameters (and
    buffers) are snapshotted and every ``.grad`` cleared;
-3. a fresh loss from ``closure()``, ``backward()``, every gradient classified with the probe's
-   own rule (``gradrepro.probe.states``: none / zero / tiny / finite / nonfinite);
-4. one ``optimizer.step()`` (unless ``step=False``), and every parameter's actual change
-   compared with the change the optimizer's rule predicts from its gradient and its state
-   before the step (``update_rule``; SGD, Adam, AdamW).
+3. a fresh loss from ``closure()``, ``backward()``, every gradient of the loss classified with
+   the probe's own rule (``gradrepro.probe.states``: none / zero / tiny / finite / nonfinite);
+   zero and missing gradients are traced to known causes (``causes``: a zero-initialised
+   weight downstream, a non-differentiable operation, an unused output);
+4. one ``optimizer.step()`` (unless ``step=False``); the gradient the optimizer used is
+   compared with the loss's (``used_gradient``: scaled, zeroed, sign-flipped, ...), and every
+   parameter's actual change with the change the optimizer's rule predicts from the gradient
+   it used, its value as the step found it and its state before the step (``update_rule``;
+   SGD, Adam, AdamW, SparseAdam).
 
 What it changes: with ``step=True`` the parameters and the optimizer's state advance by exactly
 that one step (the step the report describes; it is not undone, so parameters and optimizer
 state stay consistent). With ``step=False`` neither changes. In both cases every ``.grad`` is
 put back as it was before the call (``None`` stays ``None``; a stale gradient stays, so the
 report does not hide it), registered buffers (batch-norm statistics) are restored, and the
-train/eval mode is untouched. The closure may be called a few more times, without gradients
-and with a fixed random seed, to test whether the loss depends on a parameter that received no
-gradient (``probe_paths``); those calls are undone too.
+train/eval mode is untouched. The closure may be called a few more times with a fixed random
+seed (``probe_paths``): to test whether the loss depends on a parameter that received no
+gradient, to find what cuts a missing or zero gradient's path, and to test a zero-initialised
+weight as its cause; those calls are undone too. Lazy modules stay initialised (by one dry run,
+as their first training step would), and a forward pass that rewrites a parameter in place
+(``nn.Embedding(max_norm=...)``) does so as it would in training.
 """
 
 from __future__ import annotations
@@ -40,15 +51,17 @@ import torch
 from torch import nn
 
 from gradrepro.diagnose.derivative import check_derivative
-from gradrepro.diagnose.findings import NEXT_CHECK, Finding, Report, findings_of, report_table
+from gradrepro.diagnose.findings import findings_of, report_table
 from gradrepro.diagnose.inputs import (
     DiagnoseError,
     DiagnoseTypeError,
     DiagnoseValueError,
     check_inputs,
     check_options,
+    materialize_lazy,
 )
 from gradrepro.diagnose.registration import normalize_name, parameter_rows
+from gradrepro.diagnose.report import NEXT_CHECK, Finding, Report
 from gradrepro.diagnose.transition import run_transition
 
 
@@ -75,8 +88,12 @@ def diagnose(
     """
     check_inputs(model, optimizer, closure)
     check_options(step, tiny_factor, stale_factor, fp16_fraction, rtol, probe_paths)
+    lazy = materialize_lazy(model, closure)
     rows, unregistered, nonleaf = parameter_rows(model, optimizer)
     tr = run_transition(model, optimizer, closure, rows, nonleaf, step, tiny_factor, rtol, probe_paths)
+    if lazy:
+        tr.notes.append(f"lazy module(s) {', '.join(lazy)} were initialised by one dry run of the closure "
+                        "(eval mode, no gradients) before the transition")
     findings = findings_of(tr, model, unregistered, step, stale_factor, fp16_fraction)
     return Report(findings, report_table(tr), tr.loss_value, tr.stepped, type(optimizer).__name__, tr.notes,
                   {r.name: r.tensor for r in rows})

@@ -1,110 +1,19 @@
-"""What ``diagnose`` reports: findings (kind, name, detail, severity), each with the next
-check to make, and a table of every parameter tensor, built from the registration scan and
-the transition (``transition.Transition``)."""
+"""What ``diagnose`` finds (``report.Finding``, each with the next check to make) and its
+table of every parameter tensor, built from the registration scan and the transition
+(``transition.Transition``)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
 from torch import nn
 
-from gradrepro.diagnose.transition import Transition, _norm, group_lr
-
-ERROR, WARNING, INFO = "error", "warning", "info"
-
-# The next check to make for each kind of finding (printed under it).
-NEXT_CHECK: dict[str, str] = {
-    "unregistered": "hold layers in nn.ModuleList/nn.ModuleDict and trainable tensors in nn.Parameter "
-    "(or register_buffer if they must not train), then rebuild the optimizer",
-    "not_in_optimizer": "build the optimizer after the model's final structure; compare "
-    "{id(p) for g in opt.param_groups for p in g['params']} with {id(p) for p in model.parameters()}",
-    "stale_optimizer_param": "a module was replaced after the optimizer was built: rebuild the optimizer "
-    "(or add the new parameters with optimizer.add_param_group)",
-    "frozen": "intended? requires_grad=False is how freezing works; if not, find the requires_grad_(False) call",
-    "frozen_in_optimizer": "harmless while frozen (a None gradient is skipped); leave it out of the optimizer "
-    "if it stays frozen",
-    "no_gradient": "trace the path from this parameter to the loss: look for .detach(), torch.no_grad(), "
-    ".item()/.tolist()/torch.tensor(...) rebuilds, or an output the loss never uses; "
-    "check_derivative(closure, param) tells a severed path (finite differences non-zero) from an unused one (zero)",
-    "zero_gradient": "look for dead units (ReLU never active), a saturated nonlinearity, a multiplication by "
-    "zero, or underflow in reduced precision",
-    "nonfinite_gradient": "find the first NaN/Inf: torch.autograd.set_detect_anomaly(True) for one step; "
-    "check log/sqrt/division inputs and the loss scale",
-    "tiny_gradient": "compare grad/param ratios layer by layer (the table): vanishing signal through depth, "
-    "saturation, or a badly scaled initialisation",
-    "fp16_underflow": "in fp16, use loss scaling (torch.amp.GradScaler) or bf16; harmless in fp32",
-    "stale_gradient": "call optimizer.zero_grad() at every accumulation boundary (before each backward "
-    "that starts a new step)",
-    "leftover_gradient": "nothing to fix if your loop calls zero_grad before each backward",
-    "not_updated": "check the param group's lr (a warm-up at 0?), a step hook, or an update below the "
-    "parameter dtype's resolution",
-    "update_mismatch": "look for something else that writes the parameter or its .grad between backward "
-    "and step: hooks, clipping, a second optimizer, a custom optimizer",
-    "no_graph": "the loss was computed under torch.no_grad() or torch.inference_mode(), or from "
-    "detached values: compute it with gradients enabled",
-    "nonleaf_grad": "call t.retain_grad() before backward if you need an intermediate's gradient",
-    "eval_mode": "nothing to fix for gradients; use model.train() when the training behaviour is intended",
-}
-
-
-@dataclass(frozen=True)
-class Finding:
-    kind: str
-    name: str  # parameter name, or the attribute path for unregistered things
-    detail: str
-    severity: str = ERROR  # error | warning | info
-
-
-@dataclass
-class Report:
-    findings: list[Finding]
-    table: pd.DataFrame  # one row per parameter tensor (registered, unregistered, optimizer-only)
-    loss: float = math.nan
-    stepped: bool = False
-    optimizer: str = ""
-    notes: list[str] = field(default_factory=list)
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # table name -> tensor
-
-    @property
-    def ok(self) -> bool:
-        """False when any finding is an error (warnings and information do not count)."""
-        return not any(f.severity == ERROR for f in self.findings)
-
-    def flagged(self) -> list[Finding]:
-        """Errors and warnings: what a healthy model should not have."""
-        return [f for f in self.findings if f.severity != INFO]
-
-    def kinds(self) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
-        for f in self.findings:
-            out.setdefault(f.kind, []).append(f.name)
-        return out
-
-    def __str__(self) -> str:
-        counts = {s: sum(f.severity == s for f in self.findings) for s in (ERROR, WARNING, INFO)}
-        step = "one step taken" if self.stepped else "no step taken"
-        head = (f"diagnose: {'OK' if self.ok else 'PROBLEMS FOUND'} ({counts[ERROR]} errors, "
-                f"{counts[WARNING]} warnings, {counts[INFO]} notes); loss {self.loss:.6g}; "
-                f"{self.optimizer}, {step}")
-        cols = ["name", "registered", "requires_grad", "in_optimizer", "grad_state", "grad_norm",
-                "grad_to_param", "changed", "expected_change", "update_rel_err"]
-        table = self.table[cols].to_string(index=False, float_format=lambda v: f"{v:.3g}")
-        lines = [head, "", table]
-        order = {ERROR: 0, WARNING: 1, INFO: 2}
-        groups: dict[tuple[str, str], list[Finding]] = {}
-        for f in sorted(self.findings, key=lambda f: order[f.severity]):
-            groups.setdefault((f.severity, f.kind), []).append(f)
-        for (severity, kind), found in groups.items():
-            lines += ["", f"[{severity}] {kind}: {', '.join(f.name for f in found)}"]
-            lines += [f"  - {f.name}: {f.detail}" for f in found]
-            lines.append(f"  next check: {NEXT_CHECK.get(kind, '')}")
-        lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
+from gradrepro.diagnose.report import ERROR, INFO, WARNING, Finding
+from gradrepro.diagnose.step_findings import step_findings
+from gradrepro.diagnose.transition import Transition, _norm
 
 
 def findings_of(tr: Transition, model: nn.Module, unregistered: list[tuple[str, Any]], step: bool,
@@ -117,8 +26,9 @@ def findings_of(tr: Transition, model: nn.Module, unregistered: list[tuple[str, 
                                 "no parameter can receive a gradient", ERROR))
     findings += _registration_findings(tr, unregistered)
     findings += _gradient_findings(tr, fp16_fraction)
+    findings += _zero_init_findings(tr)
     findings += _accumulation_findings(tr, stale_factor)
-    findings += _update_findings(tr)
+    findings += step_findings(tr)
     if not tr.stepped and not step:
         tr.notes.append("step=False: no optimizer step, so no update check")
     findings += _context_findings(tr, model)
@@ -150,6 +60,8 @@ def _registration_findings(tr: Transition, unregistered: list[tuple[str, Any]]) 
             + ("; its .grad held gradients from earlier backward passes (nothing zeroes it)" if stale else "")),
             ERROR))
     for i, r in enumerate(rows):
+        if r.orphan_of:
+            findings.append(_orphan_finding(r, id(tensors[i]) in members))
         if r.module == "<optimizer only>":
             same = [rows[j].name for j in range(len(rows)) if rows[j].registered and id(tensors[j]) not in members
                     and tensors[j].shape == tensors[i].shape]
@@ -158,6 +70,19 @@ def _registration_findings(tr: Transition, unregistered: list[tuple[str, Any]]) 
                 + (f" (the model's {', '.join(same)} has that shape and is not in the optimizer: "
                    "replaced after the optimizer was built?)" if same else "")), ERROR))
     return findings
+
+
+def _orphan_finding(r, in_opt: bool) -> Finding:
+    leaf, copy = r.tensor, r.copy
+    what = "Parameter" if isinstance(leaf, nn.Parameter) else "leaf tensor"
+    dtypes = lambda t: f"{str(t.dtype).replace('torch.', '')} on {t.device}"  # noqa: E731
+    return Finding("orphaned_leaf", r.orphan_of, (
+        f"holds a non-leaf copy ({type(copy.grad_fn).__name__}, {dtypes(copy)}) of a {tuple(leaf.shape)} {what} "
+        f"({dtypes(leaf)}) that the model does not register"
+        + (": the optimizer steps that leaf, but the forward pass uses the copy, made once when it was assigned, "
+           "which no step changes" if in_opt else
+           " and the optimizer does not hold: the copy was made once, when it was assigned, and never trains")
+        + " (nn.Parameter(...) followed by .to(...), .double(), .cuda() at assignment)"), ERROR)
 
 
 def _gradient_findings(tr: Transition, fp16_fraction: float) -> list[Finding]:
@@ -187,10 +112,13 @@ def _gradient_findings(tr: Transition, fp16_fraction: float) -> list[Finding]:
                    False: "the loss does not depend on it at all: an unused branch or output",
                    None: "run check_derivative(closure, param) to tell a severed path from an unused one",
                    }[tr.depends[i]]
+            if i in tr.cuts:
+                why = "the path is cut by " + "; ".join(tr.cuts[i])
             findings.append(Finding("no_gradient", r.name, f".grad is None after backward: no graph path from the "
                                     f"loss; {why}", ERROR))
-        elif state[i] == "zero":
-            findings.append(Finding("zero_gradient", r.name, "the gradient is exactly zero everywhere", ERROR))
+        elif state[i] == "zero" and i not in tr.zero_causes:
+            cut = ("; its path goes through " + "; ".join(tr.cuts[i])) if i in tr.cuts else ""
+            findings.append(Finding("zero_gradient", r.name, f"the gradient is exactly zero everywhere{cut}", ERROR))
         elif state[i] == "nonfinite":
             findings.append(Finding("nonfinite_gradient", r.name, f"{int(tr.nonfinite[i])} of {int(tr.numel[i])} "
                                     "gradient entries are NaN or Inf", ERROR))
@@ -201,6 +129,24 @@ def _gradient_findings(tr: Transition, fp16_fraction: float) -> list[Finding]:
         if state[i] in ("finite", "tiny") and tr.flush[i] > fp16_fraction:
             findings.append(Finding("fp16_underflow", r.name, f"{tr.flush[i]:.0%} of its non-zero gradient entries "
                                     "are below 2^-24 and would flush to zero in fp16", WARNING))
+    return findings
+
+
+def _zero_init_findings(tr: Transition) -> list[Finding]:
+    """One finding per zero-initialised weight that explains zero gradients behind it (``causes``)."""
+    behind: dict[tuple[int, ...], list[str]] = {}
+    for i, cause in tr.zero_causes.items():
+        behind.setdefault(cause, []).append(tr.rows[i].name)
+    findings = []
+    for cause, names in behind.items():
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        it, its = ("it", "its") if len(cause) == 1 else ("them", "their")
+        findings.append(Finding("zero_init", ", ".join(tr.rows[j].name for j in cause), (
+            f"{'initialised' if len(cause) == 1 else f'{len(cause)} tensors initialised'} to zero, so the "
+            f"{len(names)} tensor(s) behind {it} ({shown}) get an exactly zero gradient until {it} move; {its} own "
+            f"gradient is not zero, so one step moves {it} and the tensors behind receive gradient from the next "
+            f"(checked: with {it} set to small random values, they do). Expected for a zero-initialised head, a "
+            "low-rank adapter's second matrix or a zero residual gain"), INFO))
     return findings
 
 
@@ -233,31 +179,6 @@ def _accumulation_findings(tr: Transition, stale_factor: float) -> list[Finding]
         f"{int(present.sum())} tensor(s) held a gradient from an earlier backward, {ratio:.2g} times a "
         "fresh one over the model: what a loop that zeroes before each backward leaves after its step; "
         "diagnose used a fresh gradient"), INFO)]
-
-
-def _update_findings(tr: Transition) -> list[Finding]:
-    """After a step: a parameter the optimizer should have moved and did not, or moved otherwise."""
-    if not tr.stepped:
-        return []
-    findings = []
-    for i, r in enumerate(tr.rows):
-        t = r.tensor
-        if not tr.requires[i] and not tr.changed[i]:
-            continue
-        lr = group_lr(tr.members.get(id(t)))
-        if id(t) in tr.members and tr.state[i] in ("finite", "tiny") and not tr.changed[i]:
-            expected = tr.expected[i]
-            rounds = expected > 0 and expected < 0.5 * torch.finfo(t.dtype).eps * tr.p_norm[i]
-            detail = ("finite non-zero gradient and held by the optimizer, yet unchanged by the step"
-                      + (f"; its group's lr is {lr:g}" if lr == 0 else "")
-                      + (f"; the predicted change {expected:.3g} is below the resolution of "
-                         f"{t.dtype}" if rounds else ""))
-            findings.append(Finding("not_updated", r.name, detail, WARNING if lr == 0 else ERROR))
-        elif tr.changed[i] and not tr.matches[i]:
-            findings.append(Finding("update_mismatch", r.name, (
-                f"moved by {tr.update_norm[i]:.4g}; the {tr.rule or 'optimizer'} rule predicts "
-                f"{tr.expected[i]:.4g} (relative error {tr.rel_err[i]:.3g})"), ERROR))
-    return findings
 
 
 def _context_findings(tr: Transition, model: nn.Module) -> list[Finding]:
@@ -300,6 +221,10 @@ def report_table(tr: Transition) -> pd.DataFrame:
         "frac_nonfinite": np.where(has, tr.nonfinite / np.maximum(numel, 1), np.nan),
         "frac_fp16_underflow": tr.flush,
         "loss_depends": [np.nan if d is None else float(d) for d in tr.depends],
+        "zero_because": [", ".join(tr.rows[j].name for j in tr.zero_causes[i]) if i in tr.zero_causes else ""
+                         for i in range(len(rows))],
+        "grad_used": [c.kind for c in tr.changes],
+        "changed_in_forward": tr.forward_changed,
         "changed": tr.changed,
         "update_norm": tr.update_norm,
         "expected_change": tr.expected,

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import is_lazy
 
 from gradrepro.errors import UserError
 
@@ -116,3 +118,42 @@ def check_loss(out: Any) -> torch.Tensor:
     if not out.is_floating_point():
         raise DiagnoseTypeError(f"closure returned a {out.dtype} tensor; a loss must be floating point")
     return out
+
+
+def _uninitialised(model: nn.Module) -> list[str]:
+    names = [f"{n or '<model>'} ({type(m).__name__})" for n, m in model.named_modules()
+             if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()]
+    if not names and any(is_lazy(t) for t in [*model.parameters(), *model.buffers()]):
+        names = ["<model>"]
+    return names
+
+
+def materialize_lazy(model: nn.Module, closure: Callable[[], Any]) -> list[str]:
+    """Lazy modules (``nn.LazyLinear``, ...) have no parameters until their first forward pass:
+    one dry run of the closure, in eval mode, without gradients and with the random state put
+    back, gives them their shapes, as PyTorch's lazy-module docs ask before training. The
+    optimizer keeps them: a lazy parameter becomes a Parameter in place. Returns the modules
+    that were initialised (none: nothing ran)."""
+    lazy = _uninitialised(model)
+    if not lazy:
+        return []
+    modes = [(m, m.training) for m in model.modules()]
+    where = ", ".join(lazy)
+    try:
+        model.eval()
+        with torch.no_grad(), torch.random.fork_rng():
+            closure()
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's closure becomes one line
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DiagnoseValueError(
+            f"lazy module(s) {where} are not initialised and a dry run of the closure failed ({first}); "
+            "run one forward pass, model(example_batch), before calling diagnose") from None
+    finally:
+        for m, training in modes:
+            m.training = training
+    left = _uninitialised(model)
+    if left:
+        raise DiagnoseValueError(
+            f"lazy module(s) {', '.join(left)} are still not initialised after one run of the closure (it does not "
+            "call them); run one forward pass through them, model(example_batch), before calling diagnose")
+    return lazy

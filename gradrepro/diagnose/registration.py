@@ -1,6 +1,9 @@
 """Registration and optimizer membership, by identity: every parameter tensor the model
 registers, the ones it holds in plain attributes or containers without registering them,
-and the ones only the optimizer holds (a module replaced after the optimizer was built)."""
+the ones only the optimizer holds (a module replaced after the optimizer was built), and
+orphaned leaves: a Parameter converted as it was assigned (``nn.Parameter(t).double()``,
+``.to(dtype)``, ``.cuda()``) leaves a non-leaf copy on the module and a leaf that nothing
+holds; the copy's graph leads to that leaf (``graph.leaves_of``)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from gradrepro.diagnose.graph import leaves_of
 
 _MODULE_ATTRS = frozenset(vars(nn.Module()))  # nn.Module's own bookkeeping attributes
 _SCAN_DEPTH = 3  # containers inside containers, this deep
@@ -61,12 +66,15 @@ class Row:
     tensor: torch.Tensor
     registered: bool
     aliases: str = ""
+    orphan_of: str = ""  # for an orphaned leaf: the path of the non-leaf copy the module holds
+    copy: torch.Tensor | None = None  # that copy
 
 
 def parameter_rows(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[Row], list[tuple[str, Any]],
                                                                           list[tuple[str, torch.Tensor]]]:
     """Every parameter tensor: registered (probe order, tied weights once), unregistered ones
-    found in plain attributes, and tensors only the optimizer holds; with the scan's findings."""
+    found in plain attributes, orphaned leaves behind non-leaf copies, and tensors only the
+    optimizer holds; with the scan's unregistered things and its non-leaf tensors (orphans' copies left out)."""
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
@@ -89,12 +97,29 @@ def parameter_rows(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[
         elif id(thing) not in seen:
             seen.add(id(thing))
             rows.append(Row(path, path.rpartition(".")[0] or "<root>", thing, False))
+    orphaned = set()
+    for path, copy in nonleaf:
+        for leaf in orphan_leaves(copy, seen | {id(b) for b in model.buffers()}):
+            seen.add(id(leaf))
+            orphaned.add(path)
+            rows.append(Row(f"{path} (leaf)", path.rpartition(".")[0] or "<root>", leaf, False, orphan_of=path,
+                            copy=copy))
+    nonleaf = [(path, t) for path, t in nonleaf if path not in orphaned]
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
             if id(p) not in seen:
                 seen.add(id(p))
                 rows.append(Row(f"param_groups.{gi}.params.{pi}", "<optimizer only>", p, False))
     return rows, unregistered, nonleaf
+
+
+def orphan_leaves(copy: torch.Tensor, known: set) -> list[torch.Tensor]:
+    """The leaves behind a non-leaf tensor held in a plain attribute that nothing registers: a
+    Parameter (``nn.Parameter(...)`` converted on assignment), or the one leaf of a tensor computed
+    from a single leaf. A cached intermediate computed from registered weights (and perhaps an
+    input) has none."""
+    every = leaves_of([copy])
+    return [t for i, t in every.items() if i not in known and (isinstance(t, nn.Parameter) or len(every) == 1)]
 
 
 def optimizer_members(optimizer: torch.optim.Optimizer) -> dict[int, tuple[int, dict]]:

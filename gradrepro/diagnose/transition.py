@@ -1,7 +1,8 @@
 """The transition ``diagnose`` makes: one fresh loss from the closure, backward, every
 gradient classified with the probe's own rule (``probe.states.grad_states``), a test of which
-gradient-less parameters the loss depends on, and one optimizer step whose change of every
-parameter is predicted from its gradient and the optimizer's state (``update_rule``).
+gradient-less parameters the loss depends on, the known causes behind missing and zero
+gradients (``causes``), and one optimizer step whose change of every parameter is predicted
+from the gradient the optimizer used and its state (``used_gradient``, ``update_rule``).
 
 Everything is put back afterwards: every ``.grad`` (None stays None; a stale gradient stays,
 so the report does not hide it) and the registered buffers; with a step, the parameters and
@@ -18,9 +19,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradrepro.diagnose import causes
+from gradrepro.diagnose.graph import dense, wide
 from gradrepro.diagnose.inputs import DiagnoseValueError, check_loss
 from gradrepro.diagnose.registration import Row, optimizer_members, scan_attributes
 from gradrepro.diagnose.update_rule import SUPPORTED, predict, rule_name, snapshot_state
+from gradrepro.diagnose.used_gradient import Change, compare, has_tensor_hooks, loss_gradients
 from gradrepro.probe.states import FP16_FLUSH, grad_states
 
 _Array = Optional[np.ndarray]
@@ -33,14 +37,16 @@ class Transition:
     rows: list[Row]
     members: dict[int, tuple[int, dict]]  # id(tensor) -> (param group index, param group)
     grads_before: list  # .grad as it was before the call
-    before: list[torch.Tensor]  # the parameters before the step
+    before: list[torch.Tensor]  # the parameters before the call
     nonleaf: list[tuple[str, torch.Tensor]]
     loss_value: float = math.nan
     graph: bool = True  # the loss had a graph
     inference: bool = False  # the loss was computed under torch.inference_mode()
     notes: list[str] = field(default_factory=list)
-    # -- after backward (``_classify``)
-    grads: list = field(default_factory=list)
+    rtol: float = 1e-3  # tolerance of the update check and of "scaled by c", relative
+    # -- after backward (``_classify``, ``_explain``)
+    grads: list = field(default_factory=list)  # the loss's gradient (copies; hooks on the tensors suspended)
+    after_backward: list = field(default_factory=list)  # .grad right after backward (copies)
     has: _Array = None
     g_norm: _Array = None
     p_norm: _Array = None
@@ -54,7 +60,13 @@ class Transition:
     state: _Array = None  # gradient states (probe.states)
     median: float = math.nan  # the registered tensors' median grad/param ratio
     depends: list = field(default_factory=list)  # does the loss depend on it: bool | None
-    # -- after the step (``_step_and_predict``)
+    zero_causes: dict = field(default_factory=dict)  # index -> indices of the zero-initialised weights in front
+    cuts: dict = field(default_factory=dict)  # index -> the calls that cut or flatten its path
+    # -- around the step (``_step_and_predict``)
+    at_step: list = field(default_factory=list)  # the parameters as the step found them (after forward)
+    forward_changed: _Array = None  # the forward pass itself changed the parameter
+    used: list = field(default_factory=list)  # .grad as the optimizer used it
+    changes: list[Change] = field(default_factory=list)
     stepped: bool = False
     rule: Optional[str] = None
     changed: _Array = None
@@ -69,31 +81,7 @@ class Transition:
 
 
 def _norm(t: torch.Tensor | None) -> float:
-    return math.nan if t is None else float(torch.linalg.vector_norm(t.detach().to(torch.float64)))
-
-
-def _loss_value(closure: Callable[[], Any], seed: int) -> float:
-    torch.manual_seed(seed)
-    out = closure()
-    return float(out.detach().double()) if isinstance(out, torch.Tensor) and out.numel() == 1 else math.nan
-
-
-def _loss_depends(closure: Callable[[], Any], tensor: torch.Tensor, seed: int = 0) -> bool | None:
-    """Does the loss change when ``tensor`` is nudged? None when the closure is not
-    deterministic under a fixed seed. The tensor is restored bit for bit."""
-    saved = tensor.detach().clone()
-    with torch.no_grad(), torch.random.fork_rng():
-        base = _loss_value(closure, seed)
-        if base != _loss_value(closure, seed):  # NaN or a closure that draws new data
-            return None
-        rms = float(saved.double().pow(2).mean().sqrt()) if saved.numel() else 0.0
-        direction = torch.randn(saved.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-        try:
-            tensor.add_((0.01 * (rms if rms > 0 else 1.0) * direction).to(tensor.dtype).to(tensor.device))
-            moved = _loss_value(closure, seed)
-        finally:
-            tensor.copy_(saved)
-    return moved != base
+    return math.nan if t is None else float(torch.linalg.vector_norm(wide(t)))
 
 
 def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: Callable[[], torch.Tensor],
@@ -102,7 +90,7 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
     """The transition, with every ``.grad`` and buffer put back as it was (module docstring)."""
     tensors = [r.tensor for r in rows]
     tr = Transition(rows, optimizer_members(optimizer), [t.grad for t in tensors],
-                    [t.detach().clone() for t in tensors], nonleaf)
+                    [t.detach().clone() for t in tensors], nonleaf, rtol=rtol)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
         for t in tensors:
@@ -111,17 +99,24 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
         tr.loss_value = float(loss.detach().double())
         tr.graph = loss.requires_grad
         tr.inference = loss.is_inference()
+        unhooked = loss_gradients(loss, tensors) if tr.graph else None
         if tr.graph:
             _backward(loss)
+        del loss
+        tr.after_backward = [None if t.grad is None else t.grad.detach().clone() for t in tensors]
+        tr.grads = tr.after_backward if unhooked is None else unhooked
         _, nonleaf_after = scan_attributes(model, {id(t) for t in tensors} | {id(b) for b, _ in buffers})
+        orphans = {r.orphan_of for r in rows if r.orphan_of}
         for path, t in nonleaf_after:
-            if all(path != p for p, _ in tr.nonleaf):
+            if path not in orphans and all(path != p for p, _ in tr.nonleaf):
                 tr.nonleaf.append((path, t))
         _classify(tr, tiny_factor)
         tr.depends = [None] * len(rows)
         for i, r in enumerate(rows):
             if tr.graph and probe_paths and r.registered and tr.requires[i] and not tr.has[i]:
-                tr.depends[i] = _loss_depends(closure, r.tensor)
+                tr.depends[i] = causes.loss_depends(closure, r.tensor)
+        if tr.graph and probe_paths:
+            _explain(tr, closure)
         for b, saved in buffers:  # the extra forward passes may have moved batch-norm statistics
             b.copy_(saved)
         _step_and_predict(tr, optimizer, step, rtol)
@@ -148,18 +143,24 @@ def _backward(loss: torch.Tensor) -> None:
     try:
         loss.backward()
     except RuntimeError as exc:
-        first = str(exc).splitlines()[0]
-        raise DiagnoseValueError(
-            f"backward through the closure's loss failed: {first} (the closure must compute a fresh "
-            "loss on every call; a loss computed once outside it loses its graph at its first backward)"
-        ) from None
+        first = str(exc).splitlines()[0].split(" Hint:")[0]  # torch's own hint follows; ours replaces it
+        if "inplace operation" in first or "in-place operation" in first:
+            hint = ("an in-place operation (x += y, x.add_(...), x[i] = ..., nn.ReLU(inplace=True)) overwrote a "
+                    "value backward needs; use the out-of-place form (x = x + y), and "
+                    "torch.autograd.set_detect_anomaly(True) names the forward operation")
+        elif "second time" in first:
+            hint = ("the closure must compute a fresh loss on every call; a loss computed once outside it loses "
+                    "its graph at its first backward")
+        else:
+            hint = "the loss's graph cannot be differentiated as it is"
+        raise DiagnoseValueError(f"backward through the closure's loss failed: {first[:300]} ({hint})") from None
 
 
 def _classify(tr: Transition, tiny_factor: float) -> None:
     """Every gradient's statistics and state; registered tensors are judged among themselves,
     as the probe (which sees registered tensors only) judges them."""
     tensors = tr.tensors
-    grads = [t.grad for t in tensors]
+    grads = [None if g is None else dense(g) for g in tr.grads]
     has = np.array([g is not None for g in grads])
     g_norm = np.array([_norm(g) for g in grads])
     p_norm = np.array([_norm(t) for t in tr.before])
@@ -177,51 +178,88 @@ def _classify(tr: Transition, tiny_factor: float) -> None:
                                         g_to_p[registered], p_norm[registered], tiny_factor)
     judged = registered & has & (nonfinite == 0) & (nonzero > 0) & (p_norm > 0) & np.isfinite(g_to_p)
     tr.median = float(np.median(g_to_p[judged])) if judged.any() else math.nan
-    tr.grads, tr.state, tr.has, tr.g_norm, tr.p_norm = grads, state, has, g_norm, p_norm
+    tr.state, tr.has, tr.g_norm, tr.p_norm = state, has, g_norm, p_norm
     tr.nonzero, tr.nonfinite, tr.numel, tr.g_to_p, tr.flush = nonzero, nonfinite, numel, g_to_p, flush
     tr.registered, tr.requires = registered, np.array([t.requires_grad for t in tensors])
 
 
+def _explain(tr: Transition, closure: Callable[[], torch.Tensor]) -> None:
+    """Known causes of the missing and zero gradients (``causes``); each costs extra forward
+    passes, run only when such gradients exist. A closure that fails here costs the
+    explanation, never the report."""
+    tensors, n = tr.tensors, len(tr.rows)
+    trainable = [i for i in range(n) if tr.registered[i] and tr.requires[i]]
+    zero = [i for i in trainable if tr.state[i] == "zero"]
+    movers = [i for i in trainable if id(tensors[i]) in tr.members and tr.p_norm[i] == 0
+              and tr.state[i] in ("finite", "tiny")]
+    try:
+        tr.zero_causes = causes.zero_init_causes(closure, tensors, zero, movers)
+        unexplained = [i for i in trainable if tr.state[i] == "none" or (i in zero and i not in tr.zero_causes)]
+        if unexplained:
+            tr.cuts = causes.cuts_by_tensor(causes.record_cuts(closure), tensors, unexplained)
+    except Exception as exc:  # noqa: BLE001 - the user's closure may do anything
+        tr.notes.append(f"causes of missing/zero gradients not examined: the closure failed on a rerun ({exc})")
+
+
 def _step_and_predict(tr: Transition, optimizer: torch.optim.Optimizer, step: bool, rtol: float) -> None:
-    """One optimizer step, and every parameter's change against the one its rule predicts."""
-    tensors, members, grads, n = tr.tensors, tr.members, tr.grads, len(tr.rows)
-    states_before = {i: snapshot_state(optimizer, tensors[i]) for i in range(n)
-                     if id(tensors[i]) in members and grads[i] is not None}
+    """One optimizer step; the gradient it used against the loss's; every parameter's change
+    against the one its rule predicts from the gradient used, starting from the parameter as
+    the step found it (after the forward pass: ``nn.Embedding(max_norm=...)`` renormalises rows)."""
+    tensors, members, n = tr.tensors, tr.members, len(tr.rows)
+    tr.at_step = [t.detach().clone() for t in tensors]
+    tr.forward_changed = np.array([not torch.equal(a, b) for a, b in zip(tr.at_step, tr.before)])
+    states_before = {i: snapshot_state(optimizer, tensors[i]) for i in range(n) if id(tensors[i]) in members}
+    seen: dict[int, Any] = {}  # .grad as the step began (a post-hook may clear it afterwards)
     if step and tr.graph:
+        handle = optimizer.register_step_pre_hook(
+            lambda *_: seen.update({i: t.grad for i, t in enumerate(tensors)}))
         try:
             optimizer.step()
         except Exception as exc:  # noqa: BLE001 - any optimizer's failure becomes one clear line
-            raise DiagnoseValueError(
-                f"optimizer.step() failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__} "
-                "(an optimizer whose step needs a closure, such as LBFGS, is not supported; use step=False)"
-            ) from None
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            hint = (" (an optimizer whose step needs a closure, such as LBFGS, is not supported; use step=False)"
+                    if "closure" in text else "")
+            raise DiagnoseValueError(f"optimizer.step() failed: {text[:300]}{hint}") from None
+        finally:
+            handle.remove()
         tr.stepped = True
+    tr.used = [t.grad if t.grad is not None or not tr.stepped else seen.get(i) for i, t in enumerate(tensors)]
+    tr.changes = [_change(tr, i, rtol) for i in range(n)]
     tr.rule = rule_name(optimizer)
     if tr.rule is None:
         tr.notes.append(f"update check skipped: no rule for {type(optimizer).__name__} (supported: {SUPPORTED})")
     changed = np.zeros(n, dtype=bool)
-    update_norm = np.full(n, math.nan)
-    expected = np.full(n, math.nan)
-    rel_err = np.full(n, math.nan)
+    update_norm, expected, rel_err = np.full(n, math.nan), np.full(n, math.nan), np.full(n, math.nan)
     matches = np.ones(n, dtype=bool)
     for i, t in enumerate(tensors):
-        after, before = t.detach(), tr.before[i]
-        changed[i] = not torch.equal(after, before)
-        update_norm[i] = _norm(after.double() - before.double())
-        if not tr.stepped or id(t) not in members or grads[i] is None:
+        after, start, used = t.detach(), tr.at_step[i], tr.used[i]
+        changed[i] = not torch.equal(after, start)
+        update_norm[i] = _norm(wide(after) - wide(start))
+        if not tr.stepped or id(t) not in members or used is None:
             expected[i] = 0.0  # the optimizer skips a None gradient; a non-member is never touched
             matches[i] = not changed[i]
             rel_err[i] = 0.0 if not changed[i] else math.inf
             continue
-        predicted = predict(optimizer, members[id(t)][1], before, grads[i], states_before[i])
+        if not bool(torch.isfinite(dense(used)).all()):
+            continue  # no update to predict from a NaN/Inf gradient (its own finding says so)
+        predicted = predict(optimizer, members[id(t)][1], start, used, states_before[i])
         if predicted is None:
             continue
-        expected[i] = _norm(predicted - before.double())
-        err = _norm(after.double() - predicted)
-        floor = 2 * torch.finfo(t.dtype).eps * _norm(after) if t.is_floating_point() else 0.0
+        expected[i] = _norm(predicted - wide(start))
+        err = _norm(wide(after) - predicted)
+        floor = 2 * torch.finfo(t.dtype).eps * _norm(after) if t.is_floating_point() or t.is_complex() else 0.0
         matches[i] = err <= rtol * expected[i] + floor
         rel_err[i] = err / expected[i] if expected[i] > 0 else (0.0 if err == 0 else math.inf)
     tr.changed, tr.update_norm, tr.expected, tr.rel_err, tr.matches = changed, update_norm, expected, rel_err, matches
+
+
+def _change(tr: Transition, i: int, rtol: float) -> Change:
+    """How the gradient the optimizer used differs from the loss's (``used_gradient.compare``);
+    without a step, how .grad differed right after backward."""
+    during = (has_tensor_hooks(tr.tensors[i])
+              and compare(tr.grads[i], tr.after_backward[i], rtol).kind != "same")
+    used = tr.used[i] if tr.stepped else tr.after_backward[i]
+    return compare(tr.grads[i], used, rtol, during_backward=during)
 
 
 def group_lr(member: tuple[int, dict] | None) -> float:

@@ -56,9 +56,9 @@ PARAM_ROWS = (tuple("g_" + r for r in MOMENT_ROWS + LEVEL_ROWS)
 class Probe:
     """Collects the metrics of ``modules.parquet`` for one network."""
 
-    def __init__(self, net: nn.Module, cfg, total_steps: int, weight_decay: float = 0.0) -> None:
+    def __init__(self, net: nn.Module, cfg, total_steps: Optional[int], weight_decay: float = 0.0) -> None:
         self.cfg = cfg
-        self.total_steps = total_steps
+        self.total_steps = total_steps  # None: not known in advance (a user's own loop)
         # The optimizer's weight decay: grad_to_decay = ||grad of the loss|| / ||wd * w||
         # (He et al. 2015, footnote 2); 0 leaves the column NaN.
         self.weight_decay = weight_decay
@@ -82,7 +82,10 @@ class Probe:
                 self.module_of.append(mod_name or "<root>")
                 self.param_of.append(p_name)
                 self.kind_of.append(module_kind(module))
-        self.numel = np.array([p.numel() for p in self.params], dtype=np.float64)
+        # A complex tensor is summarised as its real and imaginary parts (twice the entries).
+        self.shapes = [_real(p).shape for p in self.params]
+        self.numel = np.array([math.prod(s) for s in self.shapes], dtype=np.float64)
+        self._complex = any(p.is_complex() for p in self.params)
         # Gradients, parameters before the step (then the update) and what .grad carried in,
         # each one block buffer of the same layout (made at the first logged step).
         self.layout: Optional[Layout] = None
@@ -109,7 +112,7 @@ class Probe:
     # -- the protocol ---------------------------------------------------------------------
     def logs(self, step: int) -> bool:
         """Every ``probe.every`` steps, the last step, and the running-sum window."""
-        return (step % self.cfg.every == 0 or step == self.total_steps - 1
+        return (step % self.cfg.every == 0 or step == (self.total_steps or 0) - 1
                 or step < self.cfg.running_sum_steps)
 
     def step(self, step: int, lr: float = math.nan, loss_scale: float = 1.0) -> ProbeStep:
@@ -133,9 +136,9 @@ class Probe:
             with torch.no_grad():
                 self._ensure_layout()
                 if self._carried is None:
-                    self._carried = self.layout.buffer([p.shape for p in self.params], self._grads.flat.dtype)
+                    self._carried = self.layout.buffer(self.shapes, self._grads.flat.dtype)
                 self._carried.flat.zero_()
-                _copy_([self._carried.views[i] for i in carried], [self.params[i].grad for i in carried])
+                _copy_([self._carried.views[i] for i in carried], [_real(self.params[i].grad) for i in carried])
         self._summing = step < self.cfg.running_sum_steps
 
     def _disarm(self) -> None:
@@ -190,22 +193,24 @@ class Probe:
     # -- gradients (after backward, before the optimizer step) ----------------------------
     def _ensure_layout(self) -> None:
         device = self.params[0].device
-        dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        wide = any(p.dtype in (torch.float64, torch.complex128) for p in self.params)
+        dtype = torch.float64 if wide else torch.float32
         if self.layout is not None and self.layout.device == device and self._grads.flat.dtype == dtype:
             return
-        shapes = [p.shape for p in self.params]
-        self.layout = Layout([p.numel() for p in self.params], device)
+        shapes = self.shapes
+        self.layout = Layout([int(n) for n in self.numel], device)
         self._grads = self.layout.buffer(shapes, dtype)
         self._before = self.layout.buffer(shapes, dtype)
         self._carried = None
         self.stats = self.layout.stats(PARAM_ROWS, dtype)
 
     def _collect(self) -> None:
+        device = self.params[0].device
         with torch.no_grad():
             self._ensure_layout()
             self._reduce_stashes()
             have = [i for i, p in enumerate(self.params) if p.grad is not None]
-            grads = [self.params[i].grad for i in have]
+            grads = [_real(self.params[i].grad) for i in have]
             grad_buf, stats = self._grads, self.stats
             if have:
                 targets = [grad_buf.views[i] for i in have]
@@ -220,13 +225,16 @@ class Probe:
             fresh = grads if not self._carrying else [self._carried.views[i] for i in have]
             if self._summing:
                 if self._running is None:
-                    self._running = [torch.zeros_like(p, dtype=torch.float64) for p in self.params]
+                    self._running = [torch.zeros(s, dtype=torch.float64, device=device) for s in self.shapes]
                 for i, f in zip(have, fresh):
                     self._running[i] += f.double()
-            _copy_(self._before.views, self.params)
+            _copy_(self._before.views, self._real_params())
             squares(self._before.grid, stats, "p_", work=grad_buf.grid)
         self._pending = {"have": have, "grads": grads, "carried": self._carrying,
                          "fresh": fresh if self._summing else None}
+
+    def _real_params(self) -> List[torch.Tensor]:
+        return [_real(p) for p in self.params] if self._complex else self.params
 
     def _reduce_stashes(self) -> None:
         """The hooks' samples, each stash in a fixed number of operations: moments of the
@@ -255,7 +263,7 @@ class Probe:
         pending = self._pending
         self._pending = None
         with torch.no_grad():
-            torch._foreach_sub_(self._before.views, self.params)  # before - after
+            torch._foreach_sub_(self._before.views, self._real_params())  # before - after
             squares(self._before.grid, self.stats, "u_", work=self._grads.grid)
             parts = {"params": self.stats.data}
             if self.acts.seen:
@@ -271,6 +279,30 @@ class Probe:
         columns = gradient_columns(self, step, host, pending)
         columns.update(activation_columns(self, host))
         return columns
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """What the probe summarises of a tensor: a sparse gradient (``nn.Embedding(sparse=True)``)
+    as the dense tensor it stands for, a complex one as its real and imaginary parts (a view:
+    the same norm, the update's norm included; zeros counted per part)."""
+    t = t.detach()
+    if t.is_sparse:
+        t = t.to_dense()
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def total_grad_norm(columns: Dict[str, np.ndarray]) -> float:
+    """The whole model's gradient norm: tensors without a gradient (``none``) are left out,
+    a non-finite one makes the total non-finite (it is recorded, never dropped)."""
+    has_grad = columns["grad_state"] != "none"
+    return float(np.sqrt(np.sum(np.asarray(columns["grad_norm"], dtype=float)[has_grad] ** 2)))
+
+
+def step_norms(columns: Dict[str, np.ndarray]) -> Dict[str, float]:
+    """One logged step's whole-model gradient norms, as ``scalars.parquet`` records them:
+    ``grad_norm`` (what ``.grad`` held) and ``fresh_grad_norm`` (this step's backward alone)."""
+    return {"grad_norm": total_grad_norm(columns),
+            "fresh_grad_norm": float(np.sqrt(np.nansum(np.asarray(columns["fresh_grad_norm"], dtype=float) ** 2)))}
 
 
 def _copy_(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:

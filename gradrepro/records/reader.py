@@ -2,7 +2,8 @@
 
 A run folder is any folder holding ``summary.json``, ``.hydra/config.yaml`` or
 ``scalars.parquet``; a sweep folder is any folder above some. A run killed mid-way (no
-``summary.json``, or ``status: interrupted``) is kept and marked incomplete; a folder
+``summary.json``, or ``status: interrupted``) and a recording still in progress (``status:
+running``, written by ``gradrepro.record``) are kept and marked incomplete; a folder
 whose summary cannot be read is skipped, and the reason is returned beside the runs.
 
 Every file is read as untrusted data (``records/untrusted.py``): regular files only, sizes
@@ -26,6 +27,8 @@ from gradrepro.records.run import RunRecords
 from gradrepro.records.summary_schema import SummaryError, check_summary, signature_entry
 from gradrepro.records.untrusted import load_json, load_yaml, one_line, open_regular, parquet_budget
 
+# Statuses of a run that did not finish: stopped by a signal, or (gradrepro.record) still recording.
+INCOMPLETE = ("interrupted", "running")
 HYDRA_CONFIG = Path(".hydra") / "config.yaml"
 HYDRA_OVERRIDES = Path(".hydra") / "overrides.yaml"
 _MARKERS = (SUMMARY, str(HYDRA_CONFIG), SCALARS)
@@ -87,7 +90,7 @@ class Run:
             return "incomplete (no summary.json)"
         if self.summary.get("missing"):
             return f"incomplete ({status}; records not all written)"
-        return f"incomplete ({status})" if status == "interrupted" else str(status)
+        return f"incomplete ({status})" if status in INCOMPLETE else str(status)
 
     def scalars(self) -> pd.DataFrame:
         return read_table(self.path / SCALARS)
@@ -186,7 +189,7 @@ def read_run(run_dir: Path) -> Run:
         summary, listed = _from_hydra_record(run_dir)
         overrides = parse_overrides(listed)
         notes.append(f"no {SUMMARY} (killed mid-way?): listed as incomplete")
-    complete = summary.get("status") not in (None, "interrupted") and not summary.get("missing")
+    complete = summary.get("status") not in (None, *INCOMPLETE) and not summary.get("missing")
     run = Run(run_dir, summary, overrides, complete, notes=notes)
     if summary.get("missing"):
         run.notes.append("records not all written: " + one_line("; ".join(summary["missing"]), 300))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict
 
+import numpy as np
 import pandas as pd
 
 # The columns of scalars.parquet every run records on its logged steps (the training loop);
@@ -26,3 +27,10 @@ def reference_constant(param: str, column: str) -> str:
     """The constant under which the init reference (measure/init_reference.py) records one
     parameter's statistic: ``reference/<module>.<param>/<column>``."""
     return f"reference/{param}/{column}"
+
+
+def parameter_names(modules: pd.DataFrame) -> np.ndarray:
+    """Each ``modules.parquet`` row's tensor as ``named_parameters()`` names it: ``module.param``
+    (a parameter of the root module by its own name)."""
+    module, param = modules["module"].astype(str), modules["param"].astype(str)
+    return np.where(module == "<root>", param, module + "." + param)

@@ -9,7 +9,7 @@ import math
 from pathlib import PurePosixPath
 from typing import Any, Callable, Dict, List
 
-STATUSES = ("completed", "diverged", "interrupted", "failed")
+STATUSES = ("completed", "diverged", "interrupted", "failed", "running")
 OPS = ("<=", "<", ">=", ">")
 # Counts and indices in a summary are 64-bit at most (steps, seeds, stopped_at).
 _MAX_INT = 2**63 - 1

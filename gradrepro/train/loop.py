@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Sequence
 
-import numpy as np
 import torch
 from omegaconf import DictConfig
 
@@ -27,6 +26,7 @@ from gradrepro.measure.frozen_audit import FrozenAudit
 from gradrepro.measure.init_reference import measure_reference
 from gradrepro.measure.mode_pass import mode_pass
 from gradrepro.measure.reference_runs import References, is_reference, run_references
+from gradrepro.probe.probe import step_norms
 from gradrepro.records import open_records
 from gradrepro.records.claim import holding
 from gradrepro.records.files import FIGURE, MODULES, SCALARS, SUMMARY, ensure_writable_dir
@@ -227,22 +227,13 @@ def _step(cfg: DictConfig, t: Training, records: Records, generator: torch.Gener
     columns = p.columns
     records.add_modules(columns)
     row = {"step": step, "loss": loss_value, "lr": t.scheduler.get_last_lr()[0],
-           "loss_scale": t.precision.loss_scale, "skipped_steps": outcome.skipped,
-           "grad_norm": total_grad_norm(columns),
-           "fresh_grad_norm": float(np.sqrt(np.nansum(columns["fresh_grad_norm"] ** 2)))}
+           "loss_scale": t.precision.loss_scale, "skipped_steps": outcome.skipped, **step_norms(columns)}
     row.update({k: float(v) for k, v in out.scalars.items()})
     records.add_scalars(row)
     nonfinite_grads = bool((columns["grad_state"] == "nonfinite").any())
     bar.set_postfix(loss=f"{loss_value:.4f}", **(
         {cfg.key_scalar: f"{row[cfg.key_scalar]:.4g}"} if cfg.key_scalar in row else {}))
     return True, diverged or (nonfinite_grads and not t.precision.skips_nonfinite)
-
-
-def total_grad_norm(columns: Dict[str, np.ndarray]) -> float:
-    """The whole model's gradient norm: tensors without a gradient (``none``) are left out,
-    a non-finite one makes the total non-finite (it is recorded, never dropped)."""
-    has_grad = columns["grad_state"] != "none"
-    return float(np.sqrt(np.sum(np.asarray(columns["grad_norm"], dtype=float)[has_grad] ** 2)))
 
 
 def flush_or_warn(records: Records) -> None:

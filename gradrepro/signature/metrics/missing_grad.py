@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
-from gradrepro.records.run import RunRecords
+from gradrepro.records.run import RunRecords, parameter_names
 from gradrepro.signature.registry import metric
 
 
@@ -16,6 +14,5 @@ def probe_state_frac(records: RunRecords, window: int, name: str, state: str) ->
     modules = records.modules
     if modules.empty:
         return math.nan
-    full = np.where(modules["module"] == "<root>", modules["param"], modules["module"] + "." + modules["param"])
-    rows = modules[full == name]
+    rows = modules[parameter_names(modules) == name]
     return float((rows["grad_state"] == state).mean()) if len(rows) else math.nan

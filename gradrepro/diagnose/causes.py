@@ -1,0 +1,212 @@
+"""Known causes behind a missing or an exactly zero gradient, each established on the model
+itself rather than guessed from names:
+
+- **a zero-initialised weight downstream** (a classifier head initialised to zero, the second
+  matrix of a low-rank adapter, a residual branch's zero gain): every gradient behind it is
+  exactly zero until it moves, which its own non-zero gradient makes it do at the first step.
+  Checked by counterfactual: with the zero-valued trainable tensors set to small random
+  values (then put back exactly), the tensors behind them receive a non-zero gradient; the
+  ones named are those the revived gradients depend on to first order (a double backward),
+  so a zero bias beside a zero gain is not blamed. Three passes, whatever the model.
+- **an operation that cuts or flattens the path**: one whose output carries no gradient
+  (argmax, a comparison, an integer cast, ``.item()``/``.tolist()``, ``detach()``, anything under
+  ``torch.no_grad()``) or whose derivative is zero everywhere (round, floor, ceil, trunc,
+  sign). Recorded during one more forward pass under a ``TorchFunctionMode``, each with the
+  line of the user's code that called it; the tensors upstream of it are found by walking
+  the autograd graph (``graph.leaves_of``).
+
+And for a tensor with no gradient at all, whether the loss depends on it (``loss_depends``:
+nudged, does the loss move?), which tells a severed path from an unused one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from gradrepro.diagnose.graph import call_site, leaves_of, wide
+
+# torch.round/floor/ceil/trunc/sign are step functions: autograd defines their derivative as 0.
+ZERO_DERIVATIVE = frozenset({"round", "round_", "floor", "floor_", "ceil", "ceil_", "trunc", "trunc_", "fix",
+                             "sign", "sign_"})
+# Calls that turn a tensor into a Python value: the graph ends there.
+TO_PYTHON = frozenset({"item", "tolist", "numpy", "__float__", "__int__", "__index__"})
+# Calls whose gradient-free output is not the tensor's value (shapes, fresh tensors of a shape):
+# never a cut of the path.
+_NOT_CUTS = frozenset({"__get__", "__set__", "size", "dim", "numel", "stride", "data_ptr", "element_size",
+                       "is_floating_point", "is_complex", "zeros_like", "ones_like", "empty_like", "full_like",
+                       "rand_like", "randn_like", "randint_like", "new_zeros", "new_ones", "new_empty",
+                       "new_full", "new_tensor", "_set_grad_enabled"})
+# What a cutting call is, for the report's wording.
+_LABELS = (
+    (frozenset({"gt", "lt", "ge", "le", "eq", "ne", "greater", "less", "greater_equal", "less_equal", "equal",
+                "not_equal", "isclose", "isfinite", "isnan", "isinf"}), "a comparison"),
+    (frozenset({"argmax", "argmin", "argsort", "argwhere", "nonzero", "topk", "sort", "searchsorted",
+                "bucketize", "multinomial"}), "an index"),
+    (frozenset({"long", "int", "short", "bool", "byte", "char"}), "an integer cast"),
+)
+_MAX_CUTS = 200  # recorded calls per forward pass
+_PERTURB = 0.01  # scale of the random values a zero-initialised weight takes in the counterfactual
+
+
+@dataclass(frozen=True)
+class Cut:
+    op: str
+    kind: str  # zero_derivative | no_gradient | detach | python | no_grad
+    site: str
+    leaves: frozenset  # ids of the leaf tensors upstream of the call
+
+    def describe(self) -> str:
+        what = next((f"{label}, " for names, label in _LABELS if self.op.strip("_") in names), "")
+        how = {
+            "zero_derivative": "a non-differentiable step function: autograd takes its derivative as zero everywhere",
+            "no_gradient": "a non-differentiable operation: its output carries no gradient",
+            "detach": "which cuts the graph on purpose",
+            "python": "which turns the tensor into a Python value, outside the graph",
+            "no_grad": "computed under torch.no_grad(): nothing after it is recorded",
+        }[self.kind]
+        return f"{self.op} at {self.site} ({what}{how})"
+
+
+class _CutRecorder(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cuts: list[Cut] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name in _NOT_CUTS or len(self.cuts) >= _MAX_CUTS:
+            return out
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not inputs:
+            return out
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if name in ZERO_DERIVATIVE:
+            kind = "zero_derivative"
+        elif not torch.is_grad_enabled():
+            kind = "no_grad"
+        elif name in TO_PYTHON:
+            kind = "python"
+        elif outs and not any(t.requires_grad for t in outs):
+            kind = "detach" if name in ("detach", "detach_") else "no_gradient"
+        else:
+            return out
+        self.cuts.append(Cut(name, kind, call_site(), frozenset(leaves_of(inputs))))
+        return out
+
+
+def record_cuts(closure: Callable[[], Any], seed: int = 0) -> list[Cut]:
+    """The calls that cut or flatten a gradient path during one forward pass of ``closure``."""
+    recorder = _CutRecorder()
+    with torch.random.fork_rng(), torch.enable_grad():
+        torch.manual_seed(seed)
+        with recorder:
+            closure()
+    return recorder.cuts
+
+
+def cuts_by_tensor(cuts: list[Cut], tensors: list[torch.Tensor], which: list[int],
+                   limit: int = 3) -> dict[int, list[str]]:
+    """For each index in ``which``: the cuts its tensor lies upstream of (distinct calls, at most ``limit``)."""
+    out: dict[int, list[str]] = {}
+    for i in which:
+        found = list(dict.fromkeys(c.describe() for c in cuts if id(tensors[i]) in c.leaves))
+        if found:
+            out[i] = found[:limit]
+    return out
+
+
+def zero_init_causes(closure: Callable[[], Any], tensors: list[torch.Tensor], zero: list[int],
+                     candidates: list[int], seed: int = 0) -> dict[int, tuple[int, ...]]:
+    """Index of a zero-gradient tensor -> the zero-valued candidates in front of it: with the
+    candidates set to small random values its gradient is no longer zero (the counterfactual),
+    and those named are the ones its gradient depends on to first order (one double backward;
+    every candidate when the graph has no double backward)."""
+    if not zero or not candidates:
+        return {}
+    revived = _revived(closure, tensors, zero, candidates, seed)
+    if not revived:
+        return {}
+    try:
+        named = _first_order(closure, tensors, revived, candidates, seed)
+    except RuntimeError:  # an operation without a double backward
+        named = []
+    cause = tuple(named or candidates)
+    return {i: cause for i in revived}
+
+
+def _loss(closure: Callable[[], Any], seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return closure()
+
+
+def _revived(closure: Callable[[], Any], tensors: list[torch.Tensor], zero: list[int], candidates: list[int],
+             seed: int) -> list[int]:
+    """The zero-gradient tensors whose gradient is not zero once the candidates are small
+    random values; the candidates are put back exactly."""
+    generator = torch.Generator().manual_seed(seed)
+    saved = [tensors[j].detach().clone() for j in candidates]
+    try:
+        with torch.no_grad():
+            for j in candidates:
+                t = tensors[j]
+                noise = torch.randn(t.shape, generator=generator, dtype=torch.float64) * _PERTURB
+                t.copy_(noise.to(t.real.dtype if t.is_complex() else t.dtype))
+        with torch.random.fork_rng(), torch.enable_grad():
+            grads = torch.autograd.grad(_loss(closure, seed), [tensors[i] for i in zero], allow_unused=True)
+    finally:
+        with torch.no_grad():
+            for j, value in zip(candidates, saved):
+                tensors[j].copy_(value)
+    return [i for i, g in zip(zero, grads) if g is not None and bool(torch.isfinite(g).all()) and bool(g.any())]
+
+
+def _first_order(closure: Callable[[], Any], tensors: list[torch.Tensor], revived: list[int],
+                 candidates: list[int], seed: int) -> list[int]:
+    """The candidates c with d<g, v>/dc != 0 for the revived tensors' gradients g and a random v:
+    those a gradient behind them depends on (a zero bias beside a zero gain is not one)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(), torch.enable_grad():
+        grads = torch.autograd.grad(_loss(closure, seed), [tensors[i] for i in revived], create_graph=True,
+                                    allow_unused=True)
+        probe = []
+        for g in grads:
+            if g is not None and g.requires_grad:
+                real = torch.view_as_real(g) if g.is_complex() else g
+                v = torch.randn(real.shape, generator=generator, dtype=torch.float64).to(real.dtype)
+                probe.append((real * v.to(real.device)).sum())
+        if not probe:
+            return []
+        slopes = torch.autograd.grad(torch.stack(probe).sum(), [tensors[j] for j in candidates], allow_unused=True)
+    return [j for j, d in zip(candidates, slopes) if d is not None and bool(d.any())]
+
+
+def _loss_value(closure: Callable[[], Any], seed: int) -> float:
+    torch.manual_seed(seed)
+    out = closure()
+    return float(out.detach().double()) if isinstance(out, torch.Tensor) and out.numel() == 1 else math.nan
+
+
+def loss_depends(closure: Callable[[], Any], tensor: torch.Tensor, seed: int = 0) -> bool | None:
+    """Does the loss change when ``tensor`` is nudged? None when the closure is not
+    deterministic under a fixed seed. The tensor is restored bit for bit."""
+    saved = tensor.detach().clone()
+    with torch.no_grad(), torch.random.fork_rng():
+        base = _loss_value(closure, seed)
+        if base != _loss_value(closure, seed):  # NaN or a closure that draws new data
+            return None
+        rms = float(wide(saved).abs().pow(2).mean().sqrt()) if saved.numel() else 0.0
+        direction = torch.randn(saved.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        try:
+            tensor.add_((0.01 * (rms if rms > 0 else 1.0) * direction).to(tensor.dtype).to(tensor.device))
+            moved = _loss_value(closure, seed)
+        finally:
+            tensor.copy_(saved)
+    return moved != base

@@ -1,0 +1,84 @@
+"""``gradrepro.lightning.Record``: the probe inside Lightning's ``Trainer.fit``, writing the same
+run folder as ``gradrepro.record`` (``pip install 'gradrepro[lightning]'``).
+
+    trainer = lightning.pytorch.Trainer(max_steps=1000, callbacks=[Record("runs/mine", every=10)])
+    trainer.fit(model, loader)
+    # python -m gradrepro.compare runs/mine
+
+Lightning runs the forward and backward passes inside ``optimizer.step(closure)``, so an
+optimizer hook would fire before the gradients exist; the callback uses Lightning's own hooks
+instead: a step begins at ``on_train_batch_start`` (the first micro-batch after a step), the
+gradients are read at ``on_before_optimizer_step`` (after backward, accumulation and AMP
+unscaling), and the step ends at the ``on_train_batch_end`` where ``trainer.global_step`` has
+moved. The loss is the mean of the step's micro-batch losses as ``training_step`` returned
+them (Lightning hands the callback each one divided by ``accumulate_grad_batches``). Only the
+global-zero process records.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from gradrepro.record import Recorder
+
+try:  # the unified package first; the standalone one where only it is installed
+    from lightning.pytorch.callbacks import Callback
+except ImportError:  # pragma: no cover - depends on what is installed
+    try:
+        from pytorch_lightning.callbacks import Callback
+    except ImportError:
+        raise ImportError("gradrepro.lightning needs Lightning: pip install 'gradrepro[lightning]'") from None
+
+
+class Record(Callback):
+    """Record the LightningModule's gradient signals into ``run_dir`` every ``every`` optimizer
+    steps; ``options`` as for ``gradrepro.record`` (``name``, ``activations``, ``act_sample``)."""
+
+    def __init__(self, run_dir: str | Path, every: int = 10, **options: Any) -> None:
+        super().__init__()
+        self.run_dir, self.every, self.options = Path(run_dir), every, options
+        self.recorder: Optional[Recorder] = None
+        self._losses: list[torch.Tensor] = []
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if not trainer.is_global_zero:
+            return
+        optimizer = trainer.optimizers[0] if trainer.optimizers else None
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        self.recorder = Recorder(pl_module, optimizer, self.run_dir, self.every, scaler=scaler, hooks=False,
+                                 **self.options)
+        self.recorder.step = trainer.global_step  # a resumed fit goes on counting
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.recorder is not None:
+            self.recorder.begin()
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self.recorder is not None:
+            self.recorder.before_step()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        rec = self.recorder
+        if rec is None:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if torch.is_tensor(loss):
+            self._losses.append(loss.detach())
+        if trainer.global_step > rec.step:  # the optimizer stepped in this batch
+            if self._losses:  # each was divided by accumulate_grad_batches: back to the mean of the returned losses
+                scale = trainer.accumulate_grad_batches / len(self._losses)
+                rec.log(loss=torch.stack(self._losses).float().sum() * scale)  # read only if the step is logged
+            self._losses = []
+            rec.after_step()
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.recorder is not None:
+            self.recorder.close("completed")
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.recorder is not None:
+            status = "interrupted" if isinstance(exception, KeyboardInterrupt) else "failed"
+            self.recorder.close(status, exception)

@@ -1,0 +1,240 @@
+"""The probe in your own training loop: ``gradrepro.record``.
+
+    rec = gradrepro.record(model, optimizer, "runs/mine", every=10)   # hooks; the loop is unchanged
+    for x, y in loader:
+        optimizer.zero_grad(); loss = loss_fn(model(x), y); loss.backward(); optimizer.step()
+        rec.log(loss=loss)        # optional scalars; tensors are read on logged steps only
+    rec.close()                   # or: with gradrepro.record(...) as rec:
+
+It writes the run folder the built-in experiments write (``summary.json`` with ``status`` and
+no signature, ``scalars.parquet``, ``modules.parquet``, ``signals.png``), atomically, right
+after the first logged step, then every ``FLUSH_SECONDS`` and at the end, so
+``python -m gradrepro.compare runs/mine`` reads it beside built-in runs.
+
+A step is one ``optimizer.step()``. Three hooks find its boundaries in a loop gradrepro does
+not control:
+
+- the model's forward pre-hook: the first forward pass with gradients enabled after a step
+  begins the next one (on a logged step the probe arms its activation hooks); evaluation
+  passes under ``torch.no_grad()`` are not steps;
+- the optimizer's step pre-hook (torch >= 2.0): the gradients are complete, after every
+  backward of an accumulated step and after a ``GradScaler``'s unscale; the probe reads them;
+- the optimizer's step post-hook: the update is taken; the probe's columns are made.
+
+A step the ``GradScaler`` skips (non-finite gradients) calls no ``optimizer.step()``: no hook
+fires and it is not a step of the record. On a step that is not logged the hooks only count.
+Without optimizer hooks (``hooks=False``, or an optimizer that has none) call ``rec.begin()``,
+``rec.before_step()`` and ``rec.after_step()`` yourself, as the Lightning callback does.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from gradrepro.analysis.run_figure import plot_signals
+from gradrepro.config.schema import ProbeConfig
+from gradrepro.diagnose.over_steps import findings_over_steps
+from gradrepro.diagnose.report import Finding
+from gradrepro.errors import UserError
+from gradrepro.probe.probe import Probe, ProbeStep, step_norms
+from gradrepro.records.files import FIGURE, SUMMARY, ensure_writable_dir, write_json
+from gradrepro.records.writer import Records
+from gradrepro.train.session import flush_seconds, versions
+
+log = logging.getLogger(__name__)
+
+
+class Recorder:
+    """Records one model's gradient signals over a training loop (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir: str | Path,
+                 every: int = 10, name: Optional[str] = None, scaler: Any = None, activations: bool = True,
+                 act_sample: int = 8, hooks: bool = True) -> None:
+        _check(model, optimizer, every)
+        self.model, self.optimizer, self.scaler, self.every = model, optimizer, scaler, every
+        self.run_dir = Path(run_dir)
+        ensure_writable_dir(self.run_dir)  # an unwritable folder is one line, before any step
+        self.name = name or self.run_dir.resolve().name
+        weight_decay = float(optimizer.param_groups[0].get("weight_decay", 0.0)) if optimizer else 0.0
+        cfg = ProbeConfig(every=every, activations=activations, act_sample=act_sample, task_contribution=False)
+        self.probe = Probe(model, cfg, total_steps=None, weight_decay=weight_decay)
+        self.records = Records(self.run_dir)
+        self.step = 0  # optimizer steps taken so far: the index of the step in progress
+        self.status: Optional[str] = None  # set by close()
+        self._begun = False
+        self._current: Optional[ProbeStep] = None  # the logged step in progress
+        self._scalars: dict[str, Any] = {}  # rec.log() values of the step in progress
+        self._open_row: Optional[dict[str, Any]] = None  # the last logged step's row, open to rec.log()
+        self._start, self._last_flush, self._versions = time.perf_counter(), None, versions()
+        self._handles: list = []
+        if hooks:
+            if optimizer is None or not hasattr(optimizer, "register_step_pre_hook"):
+                raise UserError(f"{type(optimizer).__name__} has no step hooks (torch.optim.Optimizer, torch >= 2.0): "
+                                "pass hooks=False and call rec.begin(), rec.before_step() and rec.after_step() "
+                                "around each optimizer step")
+            self._handles = [model.register_forward_pre_hook(self._on_forward),
+                             optimizer.register_step_pre_hook(lambda *_: self.before_step()),
+                             optimizer.register_step_post_hook(lambda *_: self.after_step())]
+        self._write_summary("running")
+
+    # -- the step protocol: called by the hooks, or by you with hooks=False ------------------
+    def _on_forward(self, module: nn.Module, args: Any) -> None:
+        if not self._begun and torch.is_grad_enabled():
+            self.begin()
+
+    def begin(self) -> None:
+        """A step begins (before its first forward pass). The last logged step's row closes."""
+        if self._begun:
+            return
+        self._close_row()
+        self._begun = True
+        if self.probe.logs(self.step):
+            lr = float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else math.nan
+            scale = float(self.scaler.get_scale()) if self.scaler is not None else 1.0
+            self._current = self.probe.step(self.step, lr=lr, loss_scale=scale)
+            self._current.__enter__()
+
+    def before_step(self) -> None:
+        """The gradients are complete (after backward, unscaling and accumulation)."""
+        self.begin()  # a step whose forward pass no hook saw
+        if self._current is not None:
+            self._current.collect()
+
+    def after_step(self) -> None:
+        """The optimizer has updated the parameters: the step ends."""
+        self.begin()
+        current, self._current = self._current, None
+        scalars, self._scalars = self._scalars, {}
+        if current is not None:
+            current.__exit__(None, None, None)
+            if current.columns is not None:
+                self.records.add_modules(current.columns)
+                self._open_row = {"step": self.step, "loss": math.nan, "lr": self.probe.lr,
+                                  "loss_scale": self.probe.loss_scale, **step_norms(current.columns),
+                                  **{k: _number(v) for k, v in scalars.items()}}
+        self.step += 1
+        self._begun = False
+        if current is not None and (self._last_flush is None or time.monotonic() - self._last_flush > flush_seconds()):
+            self.flush()
+
+    def log(self, **scalars: Any) -> None:
+        """Scalars of the step in progress, or, after ``optimizer.step()``, of the step just
+        taken. Numbers or one-element tensors; a tensor is read (one host sync) only when its
+        step is logged."""
+        if self._begun:
+            self._scalars.update({k: v.detach() if torch.is_tensor(v) else v for k, v in scalars.items()})
+        elif self._open_row is not None and self._open_row["step"] == self.step - 1:
+            self._open_row.update({k: _number(v) for k, v in scalars.items()})
+
+    # -- the run folder -------------------------------------------------------------------------
+    def _close_row(self) -> None:
+        if self._open_row is not None:
+            self.records.add_scalars(self._open_row)
+            self._open_row = None
+
+    def flush(self) -> None:
+        """Write the records so far and the summary (atomically); a failing disk warns, the
+        records stay in memory for the next write."""
+        try:
+            self.records.flush()
+            self._write_summary(self.status or "running")
+        except OSError as exc:
+            log.warning("could not write the records yet (%s); will try again", exc)
+        self._last_flush = time.monotonic()
+
+    def _write_summary(self, status: str, error: Optional[BaseException] = None) -> None:
+        param = next(self.model.parameters(), None)
+        summary = {"experiment": self.name, "control": None, "status": status, "steps": self.step,
+                   "wall_s": round(time.perf_counter() - self._start, 3), "seed": None, "overrides": [],
+                   "constants": {}, "recorded_by": "gradrepro.record", "every": self.every,
+                   "versions": self._versions, "device": str(param.device) if param is not None else None}
+        if error is not None:
+            summary["error"] = f"{type(error).__name__}: {error}"
+        write_json(self.run_dir / SUMMARY, summary)
+
+    def close(self, status: str = "completed", error: Optional[BaseException] = None) -> None:
+        """Remove the hooks and write the folder: records, summary (``status``), figure. A step
+        that began and was never taken (a skipped step) is dropped. Safe to call twice."""
+        if self.status is not None:
+            return
+        for handle in self._handles:
+            handle.remove()
+        if self._current is not None:
+            self._current.__exit__(RuntimeError, None, None)  # disarms, records nothing
+            self._current = None
+        self._close_row()
+        self.status = status
+        self.records.flush()
+        self._write_summary(status, error)
+        try:
+            plot_signals(self.records.scalars(), self.records.modules(), self.run_dir / FIGURE,
+                         f"{self.name} ({self.step} steps, {status})")
+        except Exception as exc:  # noqa: BLE001 - a figure never costs the records
+            log.warning("could not draw %s: %s", FIGURE, exc)
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        status = "completed" if exc_type is None else (
+            "interrupted" if issubclass(exc_type, KeyboardInterrupt) else "failed")
+        self.close(status, exc)
+
+    def findings(self) -> list[Finding]:
+        """Per parameter over the logged steps so far: no gradient, zero, tiny, non-finite,
+        not updated (``diagnose.over_steps``); frozen and outside-the-optimizer tensors named."""
+        held = {id(p) for g in self.optimizer.param_groups for p in g["params"]} if self.optimizer else None
+        frozen = [n for n, p in zip(self.probe.names, self.probe.params) if not p.requires_grad]
+        outside = [n for n, p in zip(self.probe.names, self.probe.params)
+                   if p.requires_grad and held is not None and id(p) not in held]
+        modules = self.records.modules()
+        return findings_over_steps(modules, frozen, outside) if "grad_state" in modules else []
+
+
+def record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir: str | Path, every: int = 10,
+           **options: Any) -> Recorder:
+    """Record ``model``'s gradient signals in your own loop into ``run_dir`` (module docstring).
+    ``options``: ``name`` (the run's name, default the folder's), ``scaler`` (a GradScaler: its
+    scale is recorded as ``loss_scale``), ``activations``, ``act_sample``, ``hooks``."""
+    return Recorder(model, optimizer, run_dir, every, **options)
+
+
+def _check(model: Any, optimizer: Any, every: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise UserError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    if optimizer is not None and not hasattr(optimizer, "param_groups"):
+        raise UserError(f"optimizer must be a torch.optim.Optimizer (or None), not {type(optimizer).__name__}")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise UserError(f"every={every!r} must be a whole number of steps >= 1")
+    if not any(True for _ in model.parameters()):
+        raise UserError(f"{type(model).__name__} has no registered parameters: nothing to record")
+
+
+def _number(value: Any) -> float:
+    if torch.is_tensor(value):
+        return float(value.detach().float().reshape(-1)[0]) if value.numel() == 1 else math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+class _CallableModule(types.ModuleType):
+    """``gradrepro.record`` is this module and the function at once: ``gradrepro.record(...)``
+    calls ``record`` whether or not ``import gradrepro.record`` ran first (importing a
+    submodule binds the package attribute to the module, which would shadow a function)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Recorder:
+        return record(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
