@@ -1,5 +1,5 @@
 """Reference runs: other experiments a run makes itself (config ``references``), with the
-same seed, scale, device, threads and step budget, into ``run_dir/references/NAME``, so that
+same seed, scale, device, threads, step budget and fp16 path, into ``run_dir/references/NAME``, so that
 a check ``relative_to: NAME`` ("final loss at least 2x fp32's") still reads only what this
 run recorded."""
 
@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 # comparable (seed, device, threads, step budget, scale), not the knob under study.
 REFERENCE_CARRY = ("seed", "device", "threads", "train.steps")
 REFERENCE_MARK = "+_reference_of"
+FP16_PATHS = ("fp16", "fp16_emulated")  # two ways to compute in fp16: real autocast, emulation
 
 TrainFn = Callable[[DictConfig, Path, Sequence[str]], Dict[str, Any]]
 
@@ -42,6 +43,10 @@ def run_references(cfg: DictConfig, run_dir: Path, overrides: Sequence[str],
     for name, experiment in cfg.references.items():
         ref_overrides = [f"experiment={experiment}", *carried]
         ref_cfg = compose(ref_overrides)
+        path = fp16_path_override(cfg, ref_cfg)
+        if path:
+            ref_overrides.append(path)
+            ref_cfg = compose(ref_overrides)
         ref_dir = run_dir / "references" / name
         log.info("reference %s: experiment=%s", name, experiment)
         with contextlib.redirect_stdout(io.StringIO()):
@@ -52,3 +57,13 @@ def run_references(cfg: DictConfig, run_dir: Path, overrides: Sequence[str],
                       "status": summary["status"], "wall_s": summary["wall_s"],
                       "run_dir": f"references/{name}"}
     return records, runs
+
+
+def fp16_path_override(cfg: DictConfig, ref_cfg: DictConfig) -> str:
+    """The fp16 path is part of what makes two runs comparable: a reference that computes in
+    fp16 follows the run's path (real autocast or its emulation); an fp32 reference stays fp32,
+    since its precision is the knob under study. Returns the override, or ''."""
+    mode, ref_mode = cfg.precision.mode, ref_cfg.precision.mode
+    if mode in FP16_PATHS and ref_mode in FP16_PATHS and mode != ref_mode:
+        return f"precision.mode={mode}"
+    return ""

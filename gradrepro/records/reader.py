@@ -18,7 +18,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from gradrepro.config.resolvers import register_resolvers
-from gradrepro.records.files import MODULES, SCALARS, SUMMARY
+from gradrepro.records.files import INFINITIES, MODULES, SCALARS, SUMMARY
 from gradrepro.records.run import RunRecords
 
 HYDRA_CONFIG = Path(".hydra") / "config.yaml"
@@ -64,15 +64,24 @@ class Run:
 
     def records(self) -> RunRecords:
         """The run's records as signatures read them: scalars, modules, the constants of
-        summary.json (null read as NaN), and the reference runs it made, from their folders."""
+        summary.json (null read as NaN, "inf" as inf), and the reference runs it made, from their folders."""
         constants = self.summary.get("constants") or {}
         references = {}
         for name, entry in (self.summary.get("references") or {}).items():
             folder = self.path / str(entry.get("run_dir", f"references/{name}"))
             references[name] = read_run(folder).records()
-        return RunRecords(self.scalars(), self.modules(),
-                          {k: (math.nan if v is None else v) for k, v in constants.items()},
+        return RunRecords(self.scalars(), self.modules(), {k: json_number(v) for k, v in constants.items()},
                           references)
+
+
+def json_number(value: Any) -> Any:
+    """A number as summary.json writes it, back as a float: null is NaN, "inf" and "-inf" are
+    infinite (records/files.py); anything else is returned as it is."""
+    if value is None:
+        return math.nan
+    if isinstance(value, str) and value in INFINITIES:
+        return INFINITIES[value]
+    return value
 
 
 def parse_overrides(items: Sequence[str]) -> Dict[str, str]:

@@ -26,6 +26,7 @@ from gradrepro.measure.frozen_audit import FrozenAudit
 from gradrepro.measure.init_reference import measure_reference
 from gradrepro.measure.mode_pass import mode_pass
 from gradrepro.measure.reference_runs import is_reference, run_references
+from gradrepro.measure.shadow_fp32 import ShadowFP32
 from gradrepro.records import open_records
 from gradrepro.records.files import FIGURE, SUMMARY, ensure_writable_dir, write_json
 from gradrepro.records.run import RunRecords
@@ -86,9 +87,11 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopReq
 
     evaluate_at(0)
     constants = {f"{k}_init": v for k, v in records.scalar_rows[0].items() if k != "step"}
+    constants["n_test"] = len(t.data.eval_sets()[3])  # held-out examples every evaluation uses
     if cfg.init.reference:
         constants.update(measure_reference(cfg, t.data, t.objective, t.init_rng, generator, device))
-    outcome = _train_steps(cfg, t, records, generator, stop, evaluate_at)
+    shadow = ShadowFP32(t.probe.hooked, cfg.precision.mode, cfg.probe.act_sample) if cfg.probe.act_grad_reference else None
+    outcome = _train_steps(cfg, t, records, generator, stop, evaluate_at, shadow)
     if outcome.status == "completed" and cfg.train.steps > 0:
         evaluate_at(cfg.train.steps)
     # An interrupted run stops quickly: the records up to the signal are what the user asked
@@ -124,7 +127,7 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopReq
 
 
 def _train_steps(cfg: DictConfig, t: Training, records: Records, generator: torch.Generator,
-                 stop: StopRequest, evaluate_at: Callable[[int], None]) -> Outcome:
+                 stop: StopRequest, evaluate_at: Callable[[int], None], shadow: Optional[ShadowFP32]) -> Outcome:
     """The training steps, until the last one, a divergence, a signal or an exception."""
     steps = cfg.train.steps
     outcome = Outcome()
@@ -136,7 +139,7 @@ def _train_steps(cfg: DictConfig, t: Training, records: Records, generator: torc
             if stop.signal is not None:  # a signal that came before this step (during setup)
                 outcome.status, outcome.stopped_at = "interrupted", (step - 1 if step else None)
                 break
-            logged, diverged = _step(cfg, t, records, generator, step, outcome, bar)
+            logged, diverged = _step(cfg, t, records, generator, step, outcome, bar, shadow)
             bar.update(1)
             if diverged:
                 outcome.status, outcome.stopped_at = "diverged", step
@@ -161,12 +164,16 @@ def _train_steps(cfg: DictConfig, t: Training, records: Records, generator: torc
 
 
 def _step(cfg: DictConfig, t: Training, records: Records, generator: torch.Generator, step: int,
-          outcome: Outcome, bar: SafeBar) -> tuple[bool, bool]:
+          outcome: Outcome, bar: SafeBar, shadow: Optional[ShadowFP32] = None) -> tuple[bool, bool]:
     """One training step; returns (logged, diverged)."""
     batch = t.data.sample(generator)
     if cfg.train.zero_grad:
         t.optimizer.zero_grad(set_to_none=True)
-    with t.probe.step(step, lr=t.optimizer.param_groups[0]["lr"], loss_scale=t.precision.loss_scale) as p:
+    scale = t.precision.loss_scale  # of this step's backward (a dynamic scale moves at the step)
+    with t.probe.step(step, lr=t.optimizer.param_groups[0]["lr"], loss_scale=scale) as p:
+        shadowed = shadow is not None and p.logged
+        if shadowed:
+            shadow.arm()
         with t.precision.autocast():
             out = t.objective(t.net, batch)
         loss_value = float(out.loss.detach())
@@ -175,10 +182,14 @@ def _step(cfg: DictConfig, t: Training, records: Records, generator: torch.Gener
             p.log_anyway()  # record the step where it broke
         contribute = p.logged and cfg.probe.task_contribution and len(out.terms) > 1
         t.precision.backward(out.loss, retain_graph=contribute)
+        if shadowed:
+            shadow.disarm()
         if contribute:
             p.contribution(out.terms)
         t.precision.unscale(t.optimizer)
         p.collect()
+        if shadowed:  # the same weights (before the step), outside autocast: fp32
+            shadow.compare(t.objective, t.net, batch, t.precision.shift, scale)
         if cfg.train.grad_clip:
             torch.nn.utils.clip_grad_norm_(t.net.parameters(), cfg.train.grad_clip)
         if not diverged:
@@ -187,9 +198,12 @@ def _step(cfg: DictConfig, t: Training, records: Records, generator: torch.Gener
     if not p.logged:
         return False, diverged
     columns = p.columns
+    if shadowed:
+        columns.update(shadow.columns(t.probe.module_of))
     records.add_modules(columns)
     row = {"step": step, "loss": loss_value, "lr": t.scheduler.get_last_lr()[0],
            "loss_scale": t.precision.loss_scale, "skipped_steps": outcome.skipped,
+           "scale_growths": t.precision.growths, "scale_backoffs": t.precision.backoffs,
            "grad_norm": total_grad_norm(columns),
            "fresh_grad_norm": float(np.sqrt(np.nansum(columns["fresh_grad_norm"] ** 2)))}
     row.update({k: float(v) for k, v in out.scalars.items()})
