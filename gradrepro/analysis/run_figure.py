@@ -36,8 +36,9 @@ def plot_signals(
         plot_loss_scale(ax_scale, scalars)
     else:
         ax_loss, ax_heat = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.4]})
-    loss = scalars.dropna(subset=["loss"]) if "loss" in scalars else scalars.iloc[:0]
-    ax_loss.plot(loss["step"], loss["loss"], color="tab:blue", label="loss")
+    if "loss" in scalars:  # a run that never trained (a device mismatch) has no loss
+        loss = scalars.dropna(subset=["loss"])
+        ax_loss.plot(loss["step"], loss["loss"], color="tab:blue", label="loss")
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss", color="tab:blue")
     ax_loss.set_title("loss" + (f" and {key_scalar}" if key_scalar else ""))

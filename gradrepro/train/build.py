@@ -9,7 +9,7 @@ before any run starts (``build_untrained``: no data, on the CPU) and the init re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List
+from typing import Any, List, Optional
 
 import torch
 from torch import nn
@@ -22,6 +22,7 @@ from gradrepro.probe import Probe
 from gradrepro.train.init import initialize
 from gradrepro.train.mode_policy import hold_eval, modes_kept
 from gradrepro.train.optim import build_optimizer, freeze
+from gradrepro.train.placement import DeviceMismatch, device_mismatch_at_first_forward
 from gradrepro.train.precision import Precision
 
 
@@ -63,6 +64,7 @@ class Training(Untrained):
     precision: Precision = None  # type: ignore[assignment]
     probe: Probe = None  # type: ignore[assignment]
     held: List[str] = field(default_factory=list)  # modules held in eval mode (train.eval_modules)
+    device_mismatch: Optional[DeviceMismatch] = None  # the first forward failed on unmoved tensors
 
 
 def build_training(cfg: Any, device: torch.device) -> Training:
@@ -83,14 +85,17 @@ def build_training(cfg: Any, device: torch.device) -> Training:
         precision = Precision(cfg.precision, device)
         probe = Probe(parts.net, cfg.probe, cfg.train.steps, weight_decay=float(cfg.optim.weight_decay))
         what = "objective"
-        check_forward(parts.objective, parts.net, data, cfg.seed)
+        # A model whose unregistered tensors stayed behind fails here on a GPU: a result, recorded.
+        mismatch = device_mismatch_at_first_forward(
+            parts.net, lambda: check_forward(parts.objective, parts.net, data, cfg.seed))
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError, MemoryError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         if what == "objective":
             raise UserError(f"the model and the data do not fit together (data.num_classes, "
                             f"model.num_classes, sizes?): {first}") from None
         raise UserError(f"the {what} cannot be built from this config: {first}") from None
-    return Training(**vars(parts), data=data, precision=precision, probe=probe, held=held)
+    return Training(**vars(parts), data=data, precision=precision, probe=probe, held=held,
+                    device_mismatch=mismatch)
 
 
 def check_forward(objective: Any, net: nn.Module, data: ImageData, seed: int) -> None:

@@ -64,7 +64,7 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
 class Outcome:
     """How the training steps ended."""
 
-    status: str = "completed"  # completed | diverged | interrupted | failed
+    status: str = "completed"  # completed | diverged | interrupted | failed | device_mismatch
     stopped_at: Optional[int] = None
     step: int = 0
     skipped: int = 0  # optimizer steps the loss scaler skipped
@@ -85,13 +85,17 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopReq
         records.add_scalars({"step": step, **t.objective.evaluate(t.net, t.data, knn_k=cfg.eval.knn_k)})
         hold_eval(t.net, t.held)  # evaluate's net.train() put every module back in train mode
 
-    evaluate_at(0)
-    constants = {f"{k}_init": v for k, v in records.scalar_rows[0].items() if k != "step"}
-    constants["n_test"] = len(t.data.eval_sets()[3])  # held-out examples every evaluation uses
-    if cfg.init.reference:
-        constants.update(measure_reference(cfg, t.data, t.objective, t.init_rng, generator, device))
-    shadow = ShadowFP32(t.probe.hooked, cfg.precision.mode, cfg.probe.act_sample) if cfg.probe.act_grad_reference else None
-    outcome = _train_steps(cfg, t, records, generator, stop, evaluate_at, shadow)
+    if t.device_mismatch is not None:  # the first forward pass cannot run: nothing trains
+        outcome, constants = Outcome(status="device_mismatch"), _evaluate_unmoved(records, evaluate_at)
+    else:
+        evaluate_at(0)
+        constants = {f"{k}_init": v for k, v in records.scalar_rows[0].items() if k != "step"}
+        constants["n_test"] = len(t.data.eval_sets()[3])  # held-out examples every evaluation uses
+        if cfg.init.reference:
+            constants.update(measure_reference(cfg, t.data, t.objective, t.init_rng, generator, device))
+        shadow = (ShadowFP32(t.probe.hooked, cfg.precision.mode, cfg.probe.act_sample)
+                  if cfg.probe.act_grad_reference else None)
+        outcome = _train_steps(cfg, t, records, generator, stop, evaluate_at, shadow)
     if outcome.status == "completed" and cfg.train.steps > 0:
         evaluate_at(cfg.train.steps)
     # An interrupted run stops quickly: the records up to the signal are what the user asked
@@ -113,6 +117,8 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopReq
         summary["signal"] = stop.name or "SIGINT"
     if outcome.error is not None:
         summary["error"] = f"{type(outcome.error).__name__}: {outcome.error}"
+    if t.device_mismatch is not None:
+        summary["device_mismatch"] = t.device_mismatch.as_dict()
     write_json(run_dir / SUMMARY, summary)
     if outcome.error is not None:
         raise outcome.error
@@ -122,8 +128,23 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopReq
     except Exception as exc:  # noqa: BLE001 - a figure never costs the records
         log.warning("could not draw %s: %s", FIGURE, exc)
     print(format_verdict(verdict, cfg.name))
+    if t.device_mismatch is not None:
+        m = t.device_mismatch
+        print(f"device mismatch at the first forward pass: {', '.join(m.tensors)} stayed on "
+              f"{', '.join(sorted(set(m.held_on)))} while the parameters are on {m.device} ({m.error})")
     print(f"status: {outcome.status}; run directory: {run_dir}")
     return summary
+
+
+def _evaluate_unmoved(records: Records, evaluate_at: Callable[[int], None]) -> Dict[str, Any]:
+    """The evaluation of a run whose first forward pass failed on unmoved tensors: what the
+    objective can still say about the model (the missing_grad objective: its registration
+    findings); an objective that needs a forward pass records nothing."""
+    try:
+        evaluate_at(0)
+    except RuntimeError as exc:
+        log.warning("no evaluation: the forward pass fails (%s)", str(exc).splitlines()[0] if str(exc) else exc)
+    return {"device_mismatch": 1.0}
 
 
 def _train_steps(cfg: DictConfig, t: Training, records: Records, generator: torch.Generator,
@@ -237,7 +258,7 @@ def _summary(cfg: DictConfig, t: Training, outcome: Outcome, verdict: Verdict, c
         "frozen": t.frozen,
         "eval_modules": t.held,
         "versions": versions(),
-        "device": str(device) if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})",
+        "device": f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device),
         "threads": cfg.threads,
     }
 
