@@ -34,7 +34,7 @@ def test_every_experiment_gives_its_cpu_verdict_on_cuda(cli, name):
 def test_the_fp16_failures_reproduce_under_real_cuda_autocast(cli, name):
     result = cli(f"experiment={name}", "device=cuda", "precision.mode=fp16", timeout=1800)
     assert_reproduced_on_cuda(result)
-    for reference in result.summary["references"].values():  # the fp32 control stays fp32
+    for reference in result.summary["references"].values():  # the fp32 reference stays fp32
         assert "precision.mode=fp16" not in reference["overrides"]
 
 

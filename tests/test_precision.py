@@ -20,7 +20,7 @@ from torch import nn
 
 from gradrepro.analysis.precision_regime import growth_interval, pooled_histogram, shift_octaves
 from gradrepro.config.schema import PrecisionConfig, ProbeConfig
-from gradrepro.measure.reference_runs import REFERENCE_MARK, fp16_path_override
+from gradrepro.measure.reference_runs import REFERENCE_MARK, shared_overrides
 from gradrepro.probe import Probe
 from gradrepro.probe.kernels import HIST_COLUMNS, log2_histogram
 from gradrepro.records.run import RunRecords
@@ -227,13 +227,13 @@ def test_gradscaler_knobs_reach_the_scaler_and_growths_and_backoffs_are_counted(
     assert (prec.loss_scale, prec.growths, prec.backoffs) == (2.0**10, 1, 1)
 
 
-def test_a_reference_in_fp16_follows_the_runs_fp16_path_and_fp32_stays_fp32():
-    real = compose_config(["experiment=precision_fp16_scale8", "precision.mode=fp16"])
-    noscale = compose_config(["experiment=precision_fp16_noscale"])
-    fp32 = compose_config(["experiment=precision_fp32"])
-    assert fp16_path_override(real, noscale) == "precision.mode=fp16"
-    assert fp16_path_override(real, fp32) == ""
-    assert fp16_path_override(compose_config(["experiment=precision_fp16_scale8"]), noscale) == ""
+def test_a_reference_takes_the_overrides_both_experiments_share_and_not_the_knob():
+    overrides = ["experiment=precision_fp16_scale8", "precision.mode=fp16", "data.n_test=200", "seed=3"]
+    # noscale computes in fp16 as scale8 does: it follows the run's fp16 path; fp32 stays fp32.
+    assert shared_overrides(overrides, "precision_fp16_scale8", "precision_fp16_noscale") == [
+        "precision.mode=fp16", "data.n_test=200"]
+    assert shared_overrides(overrides, "precision_fp16_scale8", "precision_fp32") == ["data.n_test=200"]
+    assert shared_overrides(["precision=fp16"], "precision_fp16_scale8", "precision_fp32") == []
 
 
 def test_reference_runs_are_made_by_the_run_and_recorded(cli):

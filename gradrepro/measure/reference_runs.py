@@ -1,5 +1,6 @@
 """Reference runs: other experiments a run makes itself (config ``references``), with the
-same seed, scale, device, threads, step budget and fp16 path, into ``run_dir/references/NAME``, so that
+same seed, scale, device, threads and step budget, and the command-line overrides both
+experiments share (data, model, the fp16 path), into ``run_dir/references/NAME``, so that
 a check ``relative_to: NAME`` ("final loss at least 2x fp32's") still reads only what this
 run recorded."""
 
@@ -9,7 +10,7 @@ import contextlib
 import io
 import logging
 from pathlib import Path
-from typing import Any, Callable, Dict, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -23,7 +24,6 @@ log = logging.getLogger(__name__)
 # comparable (seed, device, threads, step budget, scale), not the knob under study.
 REFERENCE_CARRY = ("seed", "device", "threads", "train.steps")
 REFERENCE_MARK = "+_reference_of"
-FP16_PATHS = ("fp16", "fp16_emulated")  # two ways to compute in fp16: real autocast, emulation
 
 TrainFn = Callable[[DictConfig, Path, Sequence[str]], Dict[str, Any]]
 
@@ -39,14 +39,12 @@ def run_references(cfg: DictConfig, run_dir: Path, overrides: Sequence[str],
     (records by name, the essentials of each reference's summary)."""
     carried = [f"{key}={OmegaConf.select(cfg, key)}" for key in REFERENCE_CARRY]
     carried += [o for o in overrides if o.startswith("scale=")]
+    own = next((o.partition("=")[2] for o in overrides if o.startswith("experiment=")), None)
     records, runs = {}, {}
     for name, experiment in cfg.references.items():
-        ref_overrides = [f"experiment={experiment}", *carried]
+        shared = shared_overrides(overrides, own, experiment) if own else []
+        ref_overrides = [f"experiment={experiment}", *carried, *shared]
         ref_cfg = compose(ref_overrides)
-        path = fp16_path_override(cfg, ref_cfg)
-        if path:
-            ref_overrides.append(path)
-            ref_cfg = compose(ref_overrides)
         ref_dir = run_dir / "references" / name
         log.info("reference %s: experiment=%s", name, experiment)
         with contextlib.redirect_stdout(io.StringIO()):
@@ -59,11 +57,18 @@ def run_references(cfg: DictConfig, run_dir: Path, overrides: Sequence[str],
     return records, runs
 
 
-def fp16_path_override(cfg: DictConfig, ref_cfg: DictConfig) -> str:
-    """The fp16 path is part of what makes two runs comparable: a reference that computes in
-    fp16 follows the run's path (real autocast or its emulation); an fp32 reference stays fp32,
-    since its precision is the knob under study. Returns the override, or ''."""
-    mode, ref_mode = cfg.precision.mode, ref_cfg.precision.mode
-    if mode in FP16_PATHS and ref_mode in FP16_PATHS and mode != ref_mode:
-        return f"precision.mode={mode}"
-    return ""
+def shared_overrides(overrides: Sequence[str], experiment: str, reference: str) -> List[str]:
+    """The run's command-line overrides its reference takes too: those whose key the two
+    experiments set alike (the data, the model, the fp16 path where both compute in fp16), so
+    that the two runs stay comparable. A key the experiments set differently is the knob under
+    study and stays the reference's own (an fp32 reference stays fp32 under precision.mode=fp16)."""
+    own, ref = compose([f"experiment={experiment}"]), compose([f"experiment={reference}"])
+    out = []
+    for override in overrides:
+        key, sep, _ = override.partition("=")
+        key = key.lstrip("+")
+        if not sep or key in REFERENCE_CARRY or key.startswith(("~", "hydra", "experiment", "scale", "_reference")):
+            continue
+        if OmegaConf.select(own, key) == OmegaConf.select(ref, key):  # a group: its whole node
+            out.append(override)
+    return out

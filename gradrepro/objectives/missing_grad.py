@@ -30,7 +30,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradrepro.data import Batch, ImageData
-from gradrepro.diagnose import Finding, Report, check_derivative, diagnose, normalize_name, parameter_rows
+from gradrepro.diagnose import (
+    DiagnoseError,
+    Finding,
+    Report,
+    check_derivative,
+    diagnose,
+    normalize_name,
+    parameter_rows,
+)
 from gradrepro.diagnose.findings import ERROR
 from gradrepro.objectives.base import LossOutput
 from gradrepro.train.placement import unmoved_tensors
@@ -116,7 +124,7 @@ class MissingGrad:
         try:
             report = diagnose(model, opt, closure, tiny_factor=self.cfg.tiny_factor,
                               stale_factor=self.cfg.stale_factor)
-        except RuntimeError:
+        except (RuntimeError, DiagnoseError):  # the transition's forward or backward cannot run
             if not unmoved:
                 raise
             return self._registration_only(unmoved)
