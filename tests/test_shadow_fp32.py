@@ -32,11 +32,15 @@ def run_records(overrides, run_dir):
 
 
 @pytest.mark.parametrize("mode", ["fp16_emulated", "fp16", "fp32"])
-def test_the_shadow_leaves_training_bit_identical(tmp_path, mode):
+def test_the_shadow_leaves_training_bit_identical_and_runs_on_logged_steps_only(tmp_path, mode, monkeypatch):
     common = ["experiment=precision_fp16_dynamic", f"precision.mode={mode}", "train.steps=40", "probe.every=5",
               "eval.every=20"]
     s_off, m_off = run_records([*common, "probe.act_grad_reference=false", "signature.checks=[]"], tmp_path / "off")
+    compared = []
+    real_compare = ShadowFP32.compare
+    monkeypatch.setattr(ShadowFP32, "compare", lambda self, *a: compared.append(1) or real_compare(self, *a))
     s_on, m_on = run_records([*common, "probe.act_grad_reference=true"], tmp_path / "on")
+    assert len(compared) == m_on["step"].nunique() == 9  # steps 0, 5, ..., 35 and the last, 39
     pd.testing.assert_frame_equal(s_off, s_on)
     assert not set(PRODUCES) & set(m_off.columns) and set(PRODUCES) <= set(m_on.columns)
     pd.testing.assert_frame_equal(m_off, m_on.drop(columns=list(PRODUCES)))
