@@ -30,9 +30,15 @@ def plot_signals(
     key_scalar: Optional[str] = None,
 ) -> None:
     fig = Figure(figsize=(13, 5))  # no pyplot: the caller's backend and figures stay as they are
-    ax_loss, ax_heat = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.4]})
-    loss = scalars.dropna(subset=["loss"]) if "loss" in scalars else scalars.iloc[:0]
-    ax_loss.plot(loss["step"], loss["loss"], color="tab:blue", label="loss")
+    moving = scale_moves(scalars)
+    if moving:
+        ax_loss, ax_heat, ax_scale = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1, 1.4, 0.8]})
+        plot_loss_scale(ax_scale, scalars)
+    else:
+        ax_loss, ax_heat = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.4]})
+    if "loss" in scalars:  # a run that never trained (a device mismatch) has no loss
+        loss = scalars.dropna(subset=["loss"])
+        ax_loss.plot(loss["step"], loss["loss"], color="tab:blue", label="loss")
     ax_loss.set_xlabel("step")
     ax_loss.set_ylabel("loss", color="tab:blue")
     ax_loss.set_title("loss" + (f" and {key_scalar}" if key_scalar else ""))
@@ -58,3 +64,21 @@ def plot_signals(
     fig.suptitle(title)
     fig.tight_layout()
     atomic_write(Path(path), lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+
+
+def scale_moves(scalars: pd.DataFrame) -> bool:
+    """Whether the run's loss scale changed (a dynamic scale that grew or backed off)."""
+    return "loss_scale" in scalars and scalars["loss_scale"].dropna().nunique() > 1
+
+
+def plot_loss_scale(ax, scalars: pd.DataFrame) -> None:
+    """log2 of the loss scale at each logged step, with the skipped-step count beside it."""
+    rows = scalars.dropna(subset=["loss_scale"])
+    ax.step(rows["step"], np.log2(rows["loss_scale"].to_numpy(float)), where="post", color="tab:green")
+    ax.set_xlabel("step")
+    ax.set_ylabel("log2 loss scale", color="tab:green")
+    ax.set_title("dynamic loss scale")
+    if "skipped_steps" in rows:
+        ax_skip = ax.twinx()
+        ax_skip.plot(rows["step"], rows["skipped_steps"], color="tab:red", linestyle=":")
+        ax_skip.set_ylabel("skipped steps (back-offs)", color="tab:red")

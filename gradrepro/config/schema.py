@@ -87,11 +87,17 @@ class PrecisionConfig:
     # fp32 | fp16 (torch.autocast, fp32 master weights) | fp16_emulated (fp32 arithmetic,
     # every activation and weight gradient rounded to fp16): see gradrepro/train/precision.py.
     mode: str = "fp32"
-    # A number for a static loss scale, or "dynamic" for GradScaler's defaults.
+    # A number for a static loss scale, or "dynamic" for torch.amp.GradScaler.
     loss_scale: Any = 1.0
     # c: loss x c before backward, weight gradients / c in fp32 after it. A power of two,
     # so fp32 training is bit-identical; it moves the gradient histogram by log2(c) octaves.
     loss_shift: float = 1.0
+    # GradScaler's settings where loss_scale is "dynamic"; the defaults are PyTorch's
+    # (init_scale 2^16, growth_interval 2000; growth 2 and backoff 0.5 are not knobs here).
+    # An interval of 2000 clean steps never passes in a run of a few hundred steps, so the
+    # scale can only fall: the precision experiments shorten it (experiments/precision.md).
+    scaler_init_scale: float = 65536.0
+    scaler_growth_interval: int = 2000
 
 
 @dataclass
@@ -110,6 +116,11 @@ class ProbeConfig:
     # Per module, counts of log2|activation gradient| from 2^-40 to 2^0 plus an exact-zero
     # bin (gradrepro.probe.kernels.HIST_COLUMNS), as columns of modules.parquet. Off by default (43 columns).
     act_grad_hist: bool = False
+    # On logged steps, a shadow fp32 backward of the same loss on the same weights and batch
+    # (gradrepro/measure/shadow_fp32.py): per module, which activation gradients that are
+    # non-zero in fp32 this run carried as exact zeros (act_grad_lost and its companions).
+    # It measures flush under real autocast too, where a flushed value is already zero.
+    act_grad_reference: bool = False
     # For the first N steps the probe logs every step and rebuilds the running sum of the
     # fresh gradients, to check what the optimizer stepped with (a forgotten zero_grad).
     running_sum_steps: int = 0

@@ -24,8 +24,9 @@ from gradrepro.errors import UserError
 from gradrepro.measure import frozen_audit, init_reference, mode_pass
 from gradrepro.objectives import OBJECTIVES
 from gradrepro.records import LOGGERS, tensorboard_available
-from gradrepro.records.run import RUN_SCALARS
+from gradrepro.records.run import RUN_CONSTANTS, RUN_SCALARS
 from gradrepro.signature import METRICS, OPS, ROLES
+from gradrepro.signature.metrics.precision import SHADOW_METRICS
 from gradrepro.train.init import INIT_MODES, INIT_SCHEMES
 from gradrepro.train.optim import OPTIMIZERS, SCHEDULES
 from gradrepro.train.precision import PRECISION_MODES, is_power_of_two
@@ -125,6 +126,8 @@ def _check_ranges(cfg: Any) -> None:
             _float32(key, float(OmegaConf.select(cfg, key)))
     if str(cfg.precision.loss_scale) != "dynamic":
         _float32("precision.loss_scale", float(cfg.precision.loss_scale))
+    _positive("precision.scaler_init_scale", cfg.precision.scaler_init_scale)
+    _positive("precision.scaler_growth_interval", cfg.precision.scaler_growth_interval)
     if not is_power_of_two(cfg.precision.loss_shift):
         raise UserError(
             f"precision.loss_shift={cfg.precision.loss_shift} must be a power of two (e.g. 2^-16 = "
@@ -207,7 +210,7 @@ def produced_names(cfg: Any) -> Set[str]:
     names and fnmatch patterns."""
     objective = OBJECTIVES[cfg.objective.name][1]
     names = set(METRICS) | set(RUN_SCALARS) | set(objective.TRAIN_SCALARS) | set(objective.EVAL_SCALARS)
-    names |= {f"{k}_init" for k in objective.EVAL_SCALARS}
+    names |= {f"{k}_init" for k in objective.EVAL_SCALARS} | set(RUN_CONSTANTS)
     if cfg.init.reference is not None:
         names |= set(init_reference.PRODUCES)
     if cfg.train.freeze:
@@ -225,13 +228,17 @@ def _check_signature(cfg: Any) -> None:
     for i, check in enumerate(cfg.signature.checks):
         params = check.get("params") or {}
         name = check.metric if check.metric in METRICS else params.get("column", check.metric)
+        if name in SHADOW_METRICS and not cfg.probe.act_grad_reference:
+            raise UserError(
+                f"signature.checks[{i}].metric={name!r} reads the fp32 shadow of each logged step, "
+                "which this run does not record: set probe.act_grad_reference=true")
         if not any(fnmatch.fnmatchcase(str(name), n) for n in produced):
             close = difflib.get_close_matches(str(name), literal, n=3)
             raise UserError(
                 f"signature.checks[{i}].metric={name!r} is recorded by nothing in this run"
                 + (f" (did you mean {', '.join(map(repr, close))}?)" if close else "")
                 + f"; known names: {', '.join(literal)}")
-        for key in ("relative_to", "closer_to", "than"):
+        for key in ("relative_to", "closer_to", "than", "reference"):
             ref = params.get(key)
             if ref is not None and ref not in references:
                 raise UserError(

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gradrepro.data.augment import simsiam_view
 from gradrepro.data.base import DataBase, ImageData, random_shift
 from gradrepro.errors import UserError, first_line
 from gradrepro.records.untrusted import file_kind
@@ -30,9 +31,13 @@ class Cifar10Config(DataBase):
     channels: int = 3
     image_size: int = 32
     num_classes: int = 10
-    view_shift: int = 4  # random-crop style translation, pixels
+    view_shift: int = 4  # random-crop style translation, pixels (augment=light)
+    # The two views: "simsiam", the paper's augmentation (App. D; gradrepro/data/augment.py), or
+    # "light": translation, flip and brightness/contrast jitter, cheaper on a CPU.
+    augment: str = "simsiam"
 
 
+AUGMENTATIONS = ("simsiam", "light")
 _TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 _TEST_FILES = ("test_batch",)
 # The official format (the python version of the CIFAR-10 archive): each batch holds 10,000
@@ -167,8 +172,17 @@ class Cifar10(ImageData):
         x_test, y_test = tensors(test, cfg.n_test, "data.n_test")
         super().__init__(x_train, y_train, x_test, y_test, cfg.batch_size, cfg.views)
         self.view_shift = cfg.view_shift
+        if cfg.augment not in AUGMENTATIONS:
+            raise ValueError(f"data.augment={cfg.augment!r} is not valid; choose one of: {', '.join(AUGMENTATIONS)}")
+        self.augment_choice = cfg.augment
 
     def augment(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        if self.augment_choice == "simsiam":  # on [0, 1] images, as the paper's transforms
+            mean, std = _MEAN.to(x.device), _STD.to(x.device)
+            return (simsiam_view(x * std + mean, generator) - mean) / std
+        return self._light(x, generator)
+
+    def _light(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         # Translation, horizontal flip and brightness/contrast jitter: a light version of
         # SimSiam's augmentation (App. D) that runs as batched tensor operations.
         x = random_shift(x, self.view_shift, generator)

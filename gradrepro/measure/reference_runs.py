@@ -1,5 +1,6 @@
 """Reference runs: other experiments a run makes itself (config ``references``), with the
-same seed, scale, device, threads and step budget, into ``run_dir/references/NAME``, so that
+same seed, scale, device, threads and step budget, and the command-line overrides both
+experiments share (data, model, the fp16 path), into ``run_dir/references/NAME``, so that
 a check ``relative_to: NAME`` ("final loss at least 2x fp32's") still reads only what this
 run recorded."""
 
@@ -10,7 +11,7 @@ import io
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -38,7 +39,10 @@ def reference_overrides(cfg: DictConfig, overrides: Sequence[str], experiment: s
     """The overrides a reference run is composed from: its experiment, and what it shares
     with the run that asks for it."""
     carried = [f"{key}={OmegaConf.select(cfg, key)}" for key in REFERENCE_CARRY]
-    return [f"experiment={experiment}", *carried, *(o for o in overrides if o.startswith("scale="))]
+    scale = [o for o in overrides if o.startswith("scale=")]
+    own = next((o.partition("=")[2] for o in overrides if o.startswith("experiment=")), None)
+    shared = shared_overrides(overrides, own, experiment) if own else []
+    return [f"experiment={experiment}", *carried, *scale, *shared]
 
 
 @dataclass
@@ -76,5 +80,22 @@ def run_references(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], tra
         if summary["status"] == "interrupted":
             break
         ref = read_run(ref_dir)
-        out.records[name] = RunRecords(ref.scalars(), ref.modules(), summary.get("constants") or {})
+        out.records[name] = ref.records(references=False)
+    return out
+
+
+def shared_overrides(overrides: Sequence[str], experiment: str, reference: str) -> List[str]:
+    """The run's command-line overrides its reference takes too: those whose key the two
+    experiments set alike (the data, the model, the fp16 path where both compute in fp16), so
+    that the two runs stay comparable. A key the experiments set differently is the knob under
+    study and stays the reference's own (an fp32 reference stays fp32 under precision.mode=fp16)."""
+    own, ref = compose([f"experiment={experiment}"]), compose([f"experiment={reference}"])
+    out = []
+    for override in overrides:
+        key, sep, _ = override.partition("=")
+        key = key.lstrip("+")
+        if not sep or key in REFERENCE_CARRY or key.startswith(("~", "hydra", "experiment", "scale", "_reference")):
+            continue
+        if OmegaConf.select(own, key) == OmegaConf.select(ref, key):  # a group: its whole node
+            out.append(override)
     return out

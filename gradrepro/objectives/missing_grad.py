@@ -24,13 +24,24 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from gradrepro.data import Batch, ImageData
-from gradrepro.diagnose import Report, check_derivative, diagnose, normalize_name, parameter_rows
+from gradrepro.diagnose import (
+    DiagnoseError,
+    Finding,
+    Report,
+    check_derivative,
+    diagnose,
+    normalize_name,
+    parameter_rows,
+)
+from gradrepro.diagnose.findings import ERROR
 from gradrepro.objectives.base import LossOutput
+from gradrepro.train.placement import unmoved_tensors
 
 
 @dataclass
@@ -112,7 +123,14 @@ class MissingGrad:
         def closure() -> torch.Tensor:
             return F.cross_entropy(model(x).float(), y)
 
-        report = diagnose(model, opt, closure, tiny_factor=self.cfg.tiny_factor, stale_factor=self.cfg.stale_factor)
+        unmoved = unmoved_tensors(model)
+        try:
+            report = diagnose(model, opt, closure, tiny_factor=self.cfg.tiny_factor,
+                              stale_factor=self.cfg.stale_factor)
+        except (RuntimeError, DiagnoseError):  # the transition's forward or backward cannot run
+            if not unmoved:
+                raise
+            return self._registration_only(unmoved)
         out = expected_matches(report, list(self.cfg.expected))
         table = report.table
         checked = table[table["in_optimizer"] & table["grad_norm"].notna() & table["expected_change"].notna()]
@@ -127,4 +145,17 @@ class MissingGrad:
         else:
             out["subject_changed"] = float(table.loc[table["name"] == subject, "changed"].iloc[0])
             out["derivative_rel_err"] = check_derivative(closure, report.tensors[subject], model=model)
+        return out
+
+    def _registration_only(self, unmoved: dict) -> dict[str, float]:
+        """On a device where the forward pass fails because unregistered tensors stayed behind
+        (``.to`` moves registered ones only), diagnose cannot run a transition; what it reports
+        from registration alone is the ``unregistered`` finding on each such tensor. Nothing
+        trained, so the subject did not change; the gradient and update checks are not made."""
+        findings = [Finding("unregistered", path, f"held in a plain attribute or container: .to() left it on "
+                            f"{device}, so the forward pass fails with a device mismatch", ERROR)
+                    for path, device in unmoved.items()]
+        out = expected_matches(Report(findings, pd.DataFrame()), list(self.cfg.expected))
+        out.update(update_matches=math.nan, update_rel_err_max=math.nan, derivative_rel_err=math.nan,
+                   subject_changed=0.0)  # no step can run: nothing changes
         return out

@@ -155,10 +155,16 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
+# JSON has no NaN or Infinity. An infinite value is a value (a ratio over an exact zero,
+# signature/numerics.py) and is written as one of these strings; NaN (nothing measured) as null.
+# records/reader.py reads both back as floats.
+INFINITIES = {"inf": float("inf"), "-inf": float("-inf")}
+
+
 def _clean(value: Any) -> Any:
-    """JSON has no NaN/Infinity: write them as null (and say so in the contract)."""
-    if isinstance(value, float) and not np.isfinite(value):
-        return None
+    """NaN as null, +-inf as "inf"/"-inf" (the run-directory contract in README.md)."""
+    if isinstance(value, (float, np.floating)) and not np.isfinite(value):
+        return None if np.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, dict):
         return {k: _clean(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

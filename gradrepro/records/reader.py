@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import pandas as pd
 import pyarrow.parquet as pq
 
-from gradrepro.records.files import MODULES, SCALARS, SUMMARY
+from gradrepro.records.files import INFINITIES, MODULES, SCALARS, SUMMARY
 from gradrepro.records.run import RunRecords
 from gradrepro.records.summary_schema import SummaryError, check_summary, signature_entry
 from gradrepro.records.untrusted import load_json, load_yaml, one_line, open_regular, parquet_budget
@@ -100,7 +100,7 @@ class Run:
 
     def records(self, references: bool = True) -> RunRecords:
         """The run's records as signatures read them: scalars, modules, the constants of
-        summary.json (null read as NaN), and the reference runs it made, from their folders
+        summary.json (null read as NaN, "inf" as inf), and the reference runs it made, from their folders
         (strictly inside this one; a reference run's own references are not followed)."""
         constants = self.summary.get("constants") or {}
         made = {}
@@ -110,8 +110,18 @@ class Run:
                 raise ValueError(f"reference {one_line(name, 80)!r} is not a folder inside the run folder")
             made[name] = read_run(folder).records(references=False)
         return RunRecords(self.scalars(), self.modules(),
-                          {k: (math.nan if v is None else v) for k, v in constants.items()},
+                          {k: json_number(v) for k, v in constants.items()},
                           made)
+
+
+def json_number(value: Any) -> Any:
+    """A number as summary.json writes it, back as a float: null is NaN, "inf" and "-inf" are
+    infinite (records/files.py); anything else is returned as it is."""
+    if value is None:
+        return math.nan
+    if isinstance(value, str) and value in INFINITIES:
+        return INFINITIES[value]
+    return value
 
 
 def parse_overrides(items: Sequence[str]) -> Dict[str, str]:

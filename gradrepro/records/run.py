@@ -11,7 +11,11 @@ import pandas as pd
 
 # The columns of scalars.parquet every run records on its logged steps (the training loop);
 # objectives add their own (``TRAIN_SCALARS``, ``EVAL_SCALARS``).
-RUN_SCALARS = ("step", "loss", "lr", "loss_scale", "skipped_steps", "grad_norm", "fresh_grad_norm")
+RUN_SCALARS = ("step", "loss", "lr", "loss_scale", "skipped_steps", "scale_growths", "scale_backoffs",
+               "grad_norm", "fresh_grad_norm")
+
+# The constants every run records in summary.json besides the objective's ``*_init`` values.
+RUN_CONSTANTS = ("n_test",)
 
 
 @dataclass

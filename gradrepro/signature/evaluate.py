@@ -7,6 +7,9 @@ makes itself, same seed, so the verdict still depends only on what this run reco
 A metric is, in this order: a registered function of the records (``registry.METRICS``), a
 column of ``scalars.parquet`` reduced over the last ``window`` logged values (or as
 ``params.reduce`` says), or a constant the run recorded once (``summary.constants``).
+
+An observed value may be infinite (a non-zero value over an exact zero): it is a value and
+is compared like any number (``inf >= x`` holds). NaN (nothing recorded, 0/0) holds nothing.
 """
 
 from __future__ import annotations
@@ -16,11 +19,11 @@ import operator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
-import numpy as np
 import pandas as pd
 
 import gradrepro.signature.metrics  # noqa: F401 - every family registers its metrics
 from gradrepro.records.run import RunRecords
+from gradrepro.signature.numerics import ratio
 from gradrepro.signature.registry import METRICS
 
 ROLES = ("evidence", "context")
@@ -86,11 +89,11 @@ def observe(name: str, records: RunRecords, window: int, params: Dict[str, Any])
         own = observe(name, records, window, params)
         ref = observe(name, records.references[reference], window, params)
         if how == "ratio":
-            return own / ref if ref != 0 else math.nan
+            return ratio(own, ref)
         if how == "difference":
             return own - ref
         if how == "relative_difference":
-            return abs(own - ref) / abs(ref) if ref != 0 else math.nan
+            return ratio(abs(own - ref), abs(ref))
         raise ValueError(f"unknown how {how!r}: choose ratio, difference or relative_difference")
     if name in METRICS:
         return float(METRICS[name](records, window=window, **params))
@@ -106,9 +109,7 @@ def observe(name: str, records: RunRecords, window: int, params: Dict[str, Any])
 def metric_ratio(numerator: RunRecords, denominator: RunRecords, metric: str,
                  window: int = 3, **params) -> float:
     """One signature metric observed on two runs, as a ratio (e.g. steps to a target)."""
-    top = observe(metric, numerator, window, params)
-    bottom = observe(metric, denominator, window, params)
-    return top / bottom if bottom else math.nan
+    return ratio(observe(metric, numerator, window, params), observe(metric, denominator, window, params))
 
 
 def evaluate(signature: Any, records: RunRecords) -> Verdict:
@@ -122,13 +123,19 @@ def evaluate(signature: Any, records: RunRecords) -> Verdict:
         threshold = float(check["threshold"])
         try:
             observed = observe(check["metric"], records, window, params)
-            note = "" if np.isfinite(observed) else "not recorded or not finite"
+            note = "not recorded, or not a number" if math.isnan(observed) else ""
         except (KeyError, ValueError, ArithmeticError) as exc:  # a verdict never costs the records
             observed, note = math.nan, str(exc)
-        ok = bool(np.isfinite(observed) and OPS[op](observed, threshold))
+        ok = holds(observed, op, threshold)
         results.append(CheckResult(check["metric"], observed, op, threshold, ok, check.get("paper"),
                                    note, dict(check.get("params") or {}), check.get("role") or "evidence"))
     return Verdict(reproduced=decide(results), checks=results)
+
+
+def holds(observed: float, op: str, threshold: float) -> bool:
+    """Whether ``observed op threshold``. An infinite value is a value (a ratio over an exact
+    zero: ``inf >= x`` holds); NaN (nothing recorded, 0/0) holds nothing."""
+    return not math.isnan(observed) and bool(OPS[op](observed, threshold))
 
 
 def decide(results: List[CheckResult]) -> bool:
@@ -143,7 +150,7 @@ def format_verdict(verdict: Verdict, name: str) -> str:
     rows = [
         {
             "metric": c.metric,
-            "observed": f"{c.observed:.4g}" if np.isfinite(c.observed) else "n/a",
+            "observed": "n/a" if math.isnan(c.observed) else f"{c.observed:.4g}",
             "check": f"{c.op} {c.threshold:.4g}",
             "role": c.role,
             "paper": c.paper or "",

@@ -9,7 +9,7 @@ before any run starts (``build_untrained``: no data, on the CPU) and the init re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List
+from typing import Any, List, Optional
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ from gradrepro.train.forward_check import check_forward
 from gradrepro.train.init import initialize
 from gradrepro.train.mode_policy import hold_eval
 from gradrepro.train.optim import build_optimizer, freeze
+from gradrepro.train.placement import DeviceMismatch, device_mismatch_at_first_forward
 from gradrepro.train.precision import Precision
 
 
@@ -64,6 +65,7 @@ class Training(Untrained):
     precision: Precision = None  # type: ignore[assignment]
     probe: Probe = None  # type: ignore[assignment]
     held: List[str] = field(default_factory=list)  # modules held in eval mode (train.eval_modules)
+    device_mismatch: Optional[DeviceMismatch] = None  # the first forward failed on unmoved tensors
 
 
 def build_training(cfg: Any, device: torch.device) -> Training:
@@ -87,8 +89,11 @@ def build_training(cfg: Any, device: torch.device) -> Training:
         except (ValueError, TypeError, KeyError, IndexError, RuntimeError, MemoryError) as exc:
             raise UserError(f"the {what} cannot be built from this config: {first_line(exc)}") from None
         # Says itself what went wrong (a device, dtype or shape mismatch, ...): its own UserError.
-        check_forward(parts.objective, parts.net, data, cfg.seed)
-    return Training(**vars(parts), data=data, precision=precision, probe=probe, held=held)
+        # A model whose unregistered tensors stayed behind fails here on a GPU: a result, recorded.
+        mismatch = device_mismatch_at_first_forward(
+            parts.net, lambda: check_forward(parts.objective, parts.net, data, cfg.seed))
+    return Training(**vars(parts), data=data, precision=precision, probe=probe, held=held,
+                    device_mismatch=mismatch)
 
 
 def check_data_shape(data: ImageData, cfg_data: Any) -> None:

@@ -136,7 +136,7 @@ class RunState:
 class Outcome:
     """How the training steps ended."""
 
-    status: str = "completed"  # completed | diverged | interrupted | failed
+    status: str = "completed"  # completed | diverged | interrupted | failed | device_mismatch
     stopped_at: Optional[int] = None
     step: int = 0
     skipped: int = 0  # optimizer steps the loss scaler skipped
@@ -177,7 +177,7 @@ def full_summary(cfg: Any, t: Any, outcome: Outcome, verdict: Verdict, constants
         "frozen": t.frozen,
         "eval_modules": t.held,
         "versions": versions(),
-        "device": str(device) if device.type == "cpu" else f"{device} ({torch.cuda.get_device_name(device)})",
+        "device": f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device),
         "threads": cfg.threads,
     }
     if outcome.status == "interrupted":
@@ -186,4 +186,6 @@ def full_summary(cfg: Any, t: Any, outcome: Outcome, verdict: Verdict, constants
         summary["error"] = first_line(f"{type(outcome.error).__name__}: {outcome.error}")
     if missing:
         summary["missing"] = list(missing)
+    if getattr(t, "device_mismatch", None) is not None:
+        summary["device_mismatch"] = t.device_mismatch.as_dict()
     return summary

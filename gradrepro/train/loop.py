@@ -14,7 +14,7 @@ import math
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 from omegaconf import DictConfig
@@ -26,6 +26,7 @@ from gradrepro.measure.frozen_audit import FrozenAudit
 from gradrepro.measure.init_reference import measure_reference
 from gradrepro.measure.mode_pass import mode_pass
 from gradrepro.measure.reference_runs import References, is_reference, run_references
+from gradrepro.measure.shadow_fp32 import ShadowFP32
 from gradrepro.probe.probe import step_norms
 from gradrepro.records import open_records
 from gradrepro.records.claim import holding
@@ -92,16 +93,23 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopReq
         records.add_scalars({"step": step, **t.objective.evaluate(t.net, t.data, knn_k=cfg.eval.knn_k)})
         hold_eval(t.net, t.held)  # evaluate's net.train() put every module back in train mode
 
-    try:
-        evaluate_at(0)
-    except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as exc:  # before any step: the config
-        raise UserError(f"the evaluation before training failed (objective={cfg.objective.name}, "
-                        f"model={cfg.model.name}): {first_line(exc)}") from None
-    constants = {f"{k}_init": v for k, v in records.scalar_rows[0].items() if k != "step"}
-    if cfg.init.reference:
-        constants.update(measure_reference(cfg, t.data, t.objective, t.init_rng, generator, device))
-    outcome = state.outcome = _train_steps(cfg, t, records, generator, stop, evaluate_at)
-    _after_steps(cfg, t, outcome, stop, evaluate_at)
+    if t.device_mismatch is not None:  # the first forward pass cannot run: nothing trains
+        outcome = state.outcome = Outcome(status="device_mismatch")
+        constants = _evaluate_unmoved(evaluate_at)
+    else:
+        try:
+            evaluate_at(0)
+        except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as exc:  # before any step: the config
+            raise UserError(f"the evaluation before training failed (objective={cfg.objective.name}, "
+                            f"model={cfg.model.name}): {first_line(exc)}") from None
+        constants = {f"{k}_init": v for k, v in records.scalar_rows[0].items() if k != "step"}
+        constants["n_test"] = len(t.data.eval_sets()[3])  # held-out examples every evaluation uses
+        if cfg.init.reference:
+            constants.update(measure_reference(cfg, t.data, t.objective, t.init_rng, generator, device))
+        shadow = (ShadowFP32(t.probe.hooked, cfg.precision.mode, cfg.probe.act_sample)
+                  if cfg.probe.act_grad_reference else None)
+        outcome = state.outcome = _train_steps(cfg, t, records, generator, stop, evaluate_at, shadow)
+        _after_steps(cfg, t, outcome, stop, evaluate_at)
     # An interrupted run stops quickly: the records up to the signal are what the user asked
     # to keep. A diverged or failed run is evaluated on what exists.
     missing = records.write_all()
@@ -131,8 +139,23 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopReq
         print(f"{cfg.name}: interrupted ({summary.get('signal')}); no verdict")
     else:
         print(format_verdict(verdict, cfg.name))
+    if t.device_mismatch is not None:
+        m = t.device_mismatch
+        print(f"device mismatch at the first forward pass: {', '.join(m.tensors)} stayed on "
+              f"{', '.join(sorted(set(m.held_on)))} while the parameters are on {m.device} ({m.error})")
     print(f"status: {outcome.status}; run directory: {run_dir}")
     return summary
+
+
+def _evaluate_unmoved(evaluate_at: Callable[[int], None]) -> Dict[str, Any]:
+    """The evaluation of a run whose first forward pass failed on unmoved tensors: what the
+    objective can still say about the model (the missing_grad objective: its registration
+    findings); an objective that needs a forward pass records nothing."""
+    try:
+        evaluate_at(0)
+    except RuntimeError as exc:
+        log.warning("no evaluation: the forward pass fails (%s)", first_line(exc))
+    return {"device_mismatch": 1.0}
 
 
 def _after_steps(cfg: DictConfig, t: Training, outcome: Outcome, stop: StopRequest,
@@ -162,7 +185,7 @@ def _draw_figure(cfg: DictConfig, scalars, modules, run_dir: Path, status: str) 
 
 
 def _train_steps(cfg: DictConfig, t: Training, records: Records, generator: torch.Generator,
-                 stop: StopRequest, evaluate_at: Callable[[int], None]) -> Outcome:
+                 stop: StopRequest, evaluate_at: Callable[[int], None], shadow: Optional[ShadowFP32]) -> Outcome:
     """The training steps, until the last one, a divergence, a signal or an exception."""
     steps = cfg.train.steps
     outcome = Outcome()
@@ -174,7 +197,7 @@ def _train_steps(cfg: DictConfig, t: Training, records: Records, generator: torc
             if stop.signal is not None:  # a signal that came before this step (during setup)
                 outcome.status, outcome.stopped_at = "interrupted", (step - 1 if step else None)
                 break
-            logged, diverged = _step(cfg, t, records, generator, step, outcome, bar)
+            logged, diverged = _step(cfg, t, records, generator, step, outcome, bar, shadow)
             bar.update(1)
             if diverged:
                 outcome.status, outcome.stopped_at = "diverged", step
@@ -199,12 +222,16 @@ def _train_steps(cfg: DictConfig, t: Training, records: Records, generator: torc
 
 
 def _step(cfg: DictConfig, t: Training, records: Records, generator: torch.Generator, step: int,
-          outcome: Outcome, bar: SafeBar) -> tuple[bool, bool]:
+          outcome: Outcome, bar: SafeBar, shadow: Optional[ShadowFP32] = None) -> tuple[bool, bool]:
     """One training step; returns (logged, diverged)."""
     batch = t.data.sample(generator)
     if cfg.train.zero_grad:
         t.optimizer.zero_grad(set_to_none=True)
-    with t.probe.step(step, lr=t.optimizer.param_groups[0]["lr"], loss_scale=t.precision.loss_scale) as p:
+    scale = t.precision.loss_scale  # of this step's backward (a dynamic scale moves at the step)
+    with t.probe.step(step, lr=t.optimizer.param_groups[0]["lr"], loss_scale=scale) as p:
+        shadowed = shadow is not None and p.logged
+        if shadowed:
+            shadow.arm()
         with t.precision.autocast():
             out = t.objective(t.net, batch)
         loss_value = float(out.loss.detach())
@@ -213,10 +240,14 @@ def _step(cfg: DictConfig, t: Training, records: Records, generator: torch.Gener
             p.log_anyway()  # record the step where it broke
         contribute = p.logged and cfg.probe.task_contribution and len(out.terms) > 1
         t.precision.backward(out.loss, retain_graph=contribute)
+        if shadowed:
+            shadow.disarm()
         if contribute:
             p.contribution(out.terms)
         t.precision.unscale(t.optimizer)
         p.collect()
+        if shadowed:  # the same weights (before the step), outside autocast: fp32
+            shadow.compare(t.objective, t.net, batch, t.precision.shift, scale)
         if cfg.train.grad_clip:
             torch.nn.utils.clip_grad_norm_(t.net.parameters(), cfg.train.grad_clip)
         if not diverged:
@@ -225,9 +256,12 @@ def _step(cfg: DictConfig, t: Training, records: Records, generator: torch.Gener
     if not p.logged:
         return False, diverged
     columns = p.columns
+    if shadowed:
+        columns.update(shadow.columns(t.probe.module_of))
     records.add_modules(columns)
     row = {"step": step, "loss": loss_value, "lr": t.scheduler.get_last_lr()[0],
-           "loss_scale": t.precision.loss_scale, "skipped_steps": outcome.skipped, **step_norms(columns)}
+           "loss_scale": t.precision.loss_scale, "skipped_steps": outcome.skipped,
+           "scale_growths": t.precision.growths, "scale_backoffs": t.precision.backoffs, **step_norms(columns)}
     row.update({k: float(v) for k, v in out.scalars.items()})
     records.add_scalars(row)
     nonfinite_grads = bool((columns["grad_state"] == "nonfinite").any())

@@ -16,9 +16,11 @@ Modes (``precision.mode``):
   flushes is measured per module, which real autocast cannot show (its zeros are already zero).
 
 Loss scale (``precision.loss_scale``): a number (static: the loss is multiplied by it, the
-gradients divided by it in fp32, nothing is skipped) or ``dynamic`` (``torch.amp.GradScaler``
-with its defaults: init 65536, growth 2 every 2000 clean steps, backoff 0.5, skips a step
-whose gradients hold inf/NaN). In fp32 a scale is applied the same way.
+gradients divided by it in fp32, nothing is skipped) or ``dynamic`` (``torch.amp.GradScaler``:
+init ``precision.scaler_init_scale``, growth 2 every ``precision.scaler_growth_interval`` clean
+steps, backoff 0.5, skips a step whose gradients hold inf/NaN; PyTorch's defaults are 65536
+and 2000). In fp32 a scale is applied the same way. The scaler's growths and back-offs are
+counted (``growths``, ``backoffs``): the run records both beside the scale's path.
 
 Regime knob (``precision.loss_shift``, c): the loss is multiplied by c before backward and
 the weight gradients divided by c in fp32 after it. For c a power of two this is exact in
@@ -93,9 +95,15 @@ class Precision:
         self.shift = float(getattr(cfg, "loss_shift", 1.0))
         self.device = device
         self.scaler = None
+        self.growths = 0  # times the dynamic scale grew (growth_interval clean steps in a row)
+        self.backoffs = 0  # times it backed off (inf/NaN gradients: that step was skipped)
         if self.mode != "fp32" and self.dynamic:
-            # GradScaler's defaults: init_scale 65536, growth 2, backoff 0.5, interval 2000.
-            self.scaler = torch.amp.GradScaler(device.type)
+            # growth_factor 2 and backoff_factor 0.5 stay PyTorch's defaults.
+            self.scaler = torch.amp.GradScaler(
+                device.type,
+                init_scale=float(getattr(cfg, "scaler_init_scale", 65536.0)),
+                growth_interval=int(getattr(cfg, "scaler_growth_interval", 2000)),
+            )
 
     def autocast(self) -> AbstractContextManager:
         if self.mode == "fp16":
@@ -143,4 +151,7 @@ class Precision:
         before = self.scaler.get_scale()
         self.scaler.step(optimizer)
         self.scaler.update()
-        return self.scaler.get_scale() >= before
+        after = self.scaler.get_scale()
+        self.growths += after > before
+        self.backoffs += after < before
+        return after >= before

@@ -18,6 +18,7 @@ import pandas as pd
 
 from gradrepro.records.run import RunRecords, reference_constant
 from gradrepro.signature import derivation
+from gradrepro.signature.numerics import ratio
 from gradrepro.signature.registry import metric
 
 _SELECTOR = re.compile(r"^(conv|linear|any)\[(-?\d*)(:?)(-?\d*)\]$")
@@ -52,14 +53,6 @@ def _at_step(modules: pd.DataFrame, step: Any) -> pd.DataFrame:
     elif step == "first":
         step = steps.min()
     return modules[(steps == int(step)) & (modules["param"] == "weight")]
-
-
-def ratio(numerator: float, denominator: float) -> float:
-    """numerator / denominator, with x/0 = inf for x > 0 (a gradient that underflowed to
-    exact zeros is infinitely far below) and 0/0 = NaN (nothing to compare)."""
-    if denominator == 0:
-        return math.inf if numerator > 0 else math.nan
-    return numerator / denominator
 
 
 def layer_value(records: RunRecords, module: str, column: str, step: Any = 0) -> float:

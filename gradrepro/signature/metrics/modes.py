@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from gradrepro.records.run import RunRecords
+from gradrepro.signature.numerics import ratio
 from gradrepro.signature.registry import metric
 
 
@@ -15,8 +16,4 @@ def constant_ratio(records: RunRecords, window: int, numerator: str, denominator
     """constants[numerator] / constants[denominator], e.g. the held-out loss of a pass in
     train mode over the same loss in eval mode (``diag_loss`` / ``diag_loss_ref``): 1 when the
     two modes compute the same function. x/0 is inf for x > 0; NaN when either is missing."""
-    top = float(records.constants.get(numerator, math.nan))
-    bottom = float(records.constants.get(denominator, math.nan))
-    if bottom == 0:
-        return math.inf if top > 0 else math.nan
-    return top / bottom
+    return ratio(records.constants.get(numerator, math.nan), records.constants.get(denominator, math.nan))

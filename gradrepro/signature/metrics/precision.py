@@ -1,6 +1,8 @@
-"""Signature metrics on the activation-gradient histogram (``probe.act_grad_hist``): the
-share of non-zero values fp16 flushes to zero, as carried or at another loss scale
-(Micikevicius et al. 2018, Sec. 3.2, Fig. 3)."""
+"""Signature metrics of fp16 flush (Micikevicius et al. 2018, Sec. 3.2, Fig. 3): on the
+activation-gradient histogram (``probe.act_grad_hist``), the share of non-zero values fp16
+flushes as carried or at another loss scale; against the fp32 shadow of each logged step
+(``probe.act_grad_reference``, gradrepro/measure/shadow_fp32.py), the values that were
+non-zero in fp32 and carried as zeros, which real autocast shows too."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from gradrepro.measure.shadow_fp32 import PRODUCES as SHADOW_COLUMNS
 from gradrepro.probe.kernels import HIST_COLUMNS, HIST_EDGES
 from gradrepro.records.run import RunRecords
 from gradrepro.signature.registry import metric
@@ -69,3 +72,60 @@ def act_grad_flush_vs_unscaled(records: RunRecords, window: int) -> float:
     scaled = act_grad_flush(records, window)
     unscaled = act_grad_flush(records, window, at_scale=1.0)
     return scaled / unscaled if unscaled > 0 else math.nan
+
+
+# --- against the fp32 shadow of each logged step (probe.act_grad_reference) ------------------
+
+# Metrics that read the shadow's columns: NaN unless the run recorded them.
+SHADOW_METRICS = ("act_grad_lost", "act_grad_ref_would_flush", "act_grad_flush_realised", "act_grad_scale_kept")
+
+
+def _shadow_sums(records: RunRecords, window: int) -> pd.Series | None:
+    """The shadow's counts summed over modules and the last ``window`` logged steps."""
+    if "act_grad_lost" not in records.modules.columns:
+        return None
+    rows = _last_steps(records.modules, window).dropna(subset=["act_grad_lost"])
+    return rows[list(SHADOW_COLUMNS)].sum() if len(rows) else None
+
+
+def _share(sums: pd.Series | None, part: str, whole: str) -> float:
+    if sums is None or sums[whole] <= 0:
+        return math.nan
+    return float(sums[part] / sums[whole])
+
+
+@metric("act_grad_lost")
+def act_grad_lost(records: RunRecords, window: int, of: str = "nonzero") -> float:
+    """Of the activation gradients that are non-zero in fp32 (``of="nonzero"``), or of all
+    sampled values (``of="all"``), the share this run carried as exact zeros, pooled over
+    modules and the last ``window`` logged steps. fp32 arithmetic is its own reference (0)."""
+    if of not in ("nonzero", "all"):
+        raise ValueError(f"unknown of={of!r}: choose nonzero or all")
+    return _share(_shadow_sums(records, window), "act_grad_lost",
+                  "act_grad_ref_nonzero" if of == "nonzero" else "act_grad_ref_numel")
+
+
+@metric("act_grad_ref_would_flush")
+def act_grad_ref_would_flush(records: RunRecords, window: int, unscaled: bool = False) -> float:
+    """Preflight from the fp32 shadow: of its non-zero activation gradients, the share at or
+    below 2^-25 (what fp16 flushes) at the run's shift and loss scale, or at its shift alone
+    (``unscaled``: as if the loss scale were 1)."""
+    part = "act_grad_ref_small_unscaled" if unscaled else "act_grad_ref_small"
+    return _share(_shadow_sums(records, window), part, "act_grad_ref_nonzero")
+
+
+@metric("act_grad_flush_realised")
+def act_grad_flush_realised(records: RunRecords, window: int) -> float:
+    """Of the shadow's non-zero values at or below 2^-25 at the run's scale (those fp16 flushes
+    at a module boundary), the share this run carried as zeros: near 1 in fp16 arithmetic
+    (emulated or real), 0 in fp32; NaN where there are none (a scale that lifted them all)."""
+    return _share(_shadow_sums(records, window), "act_grad_small_lost", "act_grad_ref_small")
+
+
+@metric("act_grad_scale_kept")
+def act_grad_scale_kept(records: RunRecords, window: int) -> float:
+    """Of the shadow's non-zero values that would flush at loss scale 1, the share the run's
+    loss scale lifted above 2^-25: 0 at scale 1, 1 when the scale keeps every one of them."""
+    sums = _shadow_sums(records, window)
+    kept = _share(sums, "act_grad_ref_small", "act_grad_ref_small_unscaled")
+    return 1.0 - kept if math.isfinite(kept) else math.nan

@@ -46,3 +46,28 @@ def curve_distance_ratio(records: RunRecords, window: int, closer_to: str, than:
     near = curve_distance(records, refs[closer_to], column, until_step, log)
     far = curve_distance(records, refs[than], column, until_step, log)
     return near / far if far else math.nan
+
+
+@metric("accuracy_gap_se")
+def accuracy_gap_se(records: RunRecords, window: int, reference: str, column: str = "test_acc",
+                    absolute: bool = False) -> float:
+    """This run's final ``column`` (an accuracy on the held-out set) minus the reference run's,
+    in binomial standard errors of the reference's accuracy p on its n held-out examples,
+    sqrt(p (1 - p) / n); n is the run constant ``n_test``. ``absolute``: the size of the gap.
+    Two accuracies within 2 of these cannot be told apart on that set. A gap over a reference
+    at exactly 0 or 1 (no spread) is +-inf, or 0 when there is no gap."""
+    ref = records.references.get(reference)
+    if ref is None:
+        return math.nan
+    own, base = _final(records, column), _final(ref, column)
+    n = float(ref.constants.get("n_test", records.constants.get("n_test", math.nan)))
+    gap = abs(own - base) if absolute else own - base
+    se = math.sqrt(base * (1 - base) / n) if n > 0 and 0 <= base <= 1 else math.nan
+    if se == 0:
+        return 0.0 if gap == 0 else math.copysign(math.inf, gap)
+    return gap / se
+
+
+def _final(records: RunRecords, column: str) -> float:
+    values = records.scalars[column].dropna() if column in records.scalars else None
+    return float(values.iloc[-1]) if values is not None and len(values) else math.nan
