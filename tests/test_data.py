@@ -65,7 +65,8 @@ def test_cifar10_reads_a_local_folder_without_downloading(tmp_path, monkeypatch)
     # torchvision verifies archive checksums; our tiny files are not the real archive.
     monkeypatch.setattr(cifar.CIFAR10, "_check_integrity", lambda self: True)
     monkeypatch.setattr(cifar, "check_integrity", lambda path, md5=None: True)
-    cfg = compose_config(["data=cifar10", f"data.root={tmp_path}", "data.views=true", "data.batch_size=8"])
+    cfg = compose_config(["data=cifar10", f"data.root={tmp_path}", "data.views=true", "data.batch_size=8",
+                          "data.n_train=20", "data.n_test=10"])
     data = build_data(cfg.data, seed=0)
     assert data.x_train.shape == (20, 3, 32, 32) and data.x_test.shape == (10, 3, 32, 32)
     batch = data.sample(torch.Generator().manual_seed(0))
