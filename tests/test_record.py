@@ -291,6 +291,28 @@ def test_sparse_gradients_are_recorded_as_the_dense_gradient_they_stand_for(tmp_
     assert row["grad_norm"] == pytest.approx(expected, rel=1e-6)
 
 
+def test_complex_weights_are_recorded_by_their_real_and_imaginary_parts(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(6, 4, dtype=torch.cfloat)
+    xc = torch.randn(16, 6, dtype=torch.cfloat)
+    twin = copy.deepcopy(model)
+    twin(xc).abs().pow(2).mean().backward()
+    expected = float(torch.linalg.vector_norm(twin.weight.grad))
+    before = model.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradrepro.record(model, opt, tmp_path / "run", every=1):
+        opt.zero_grad()
+        model(xc).abs().pow(2).mean().backward()
+        opt.step()
+    _, _, modules = read(tmp_path / "run")
+    row = modules[modules["param"] == "weight"].iloc[0]
+    assert row["numel"] == 2 * model.weight.numel()  # one real and one imaginary part an entry
+    assert row["grad_norm"] == pytest.approx(expected, rel=1e-6)
+    moved = float(torch.linalg.vector_norm(before - model.weight.detach()))
+    assert row["update_to_param"] * row["param_norm"] == pytest.approx(moved, rel=1e-5)
+    assert row["param_norm"] == pytest.approx(float(torch.linalg.vector_norm(before)), rel=1e-6)
+
+
 def test_bad_input_is_one_line(tmp_path):
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
