@@ -97,15 +97,7 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopReq
         outcome = state.outcome = Outcome(status="device_mismatch")
         constants = _evaluate_unmoved(evaluate_at)
     else:
-        try:
-            evaluate_at(0)
-        except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as exc:  # before any step: the config
-            raise UserError(f"the evaluation before training failed (objective={cfg.objective.name}, "
-                            f"model={cfg.model.name}): {first_line(exc)}") from None
-        constants = {f"{k}_init": v for k, v in records.scalar_rows[0].items() if k != "step"}
-        constants["n_test"] = len(t.data.eval_sets()[3])  # held-out examples every evaluation uses
-        if cfg.init.reference:
-            constants.update(measure_reference(cfg, t.data, t.objective, t.init_rng, generator, device))
+        constants = _initial_constants(cfg, t, records, generator, device, evaluate_at)
         shadow = (ShadowFP32(t.probe.hooked, cfg.precision.mode, cfg.probe.act_sample)
                   if cfg.probe.act_grad_reference else None)
         outcome = state.outcome = _train_steps(cfg, t, records, generator, stop, evaluate_at, shadow)
@@ -145,6 +137,22 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopReq
               f"{', '.join(sorted(set(m.held_on)))} while the parameters are on {m.device} ({m.error})")
     print(f"status: {outcome.status}; run directory: {run_dir}")
     return summary
+
+
+def _initial_constants(cfg: DictConfig, t: Training, records: Records, generator: torch.Generator,
+                       device: torch.device, evaluate_at: Callable[[int], None]) -> Dict[str, Any]:
+    """The evaluation before any step (its values as ``*_init`` constants), the held-out size,
+    and the init reference where the experiment asks for it."""
+    try:
+        evaluate_at(0)
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as exc:  # before any step: the config
+        raise UserError(f"the evaluation before training failed (objective={cfg.objective.name}, "
+                        f"model={cfg.model.name}): {first_line(exc)}") from None
+    constants = {f"{k}_init": v for k, v in records.scalar_rows[0].items() if k != "step"}
+    constants["n_test"] = len(t.data.eval_sets()[3])  # held-out examples every evaluation uses
+    if cfg.init.reference:
+        constants.update(measure_reference(cfg, t.data, t.objective, t.init_rng, generator, device))
+    return constants
 
 
 def _evaluate_unmoved(evaluate_at: Callable[[int], None]) -> Dict[str, Any]:
