@@ -2,12 +2,13 @@
 ``torch.autograd.detect_anomaly``, on the same models, in one interleaved run.
 
     python benchmarks/overhead.py [--quick] [--json OUT.json] [--models ...] [--every ...]
-        [--device cpu|cuda] [--ops | --ops-only]
+        [--device cpu|cuda] [--clock wall|cpu] [--ops | --ops-only]
 
 Method (benchmarks/README.md has the measured tables):
 - Every tool trains its own copy of the model (same seed, same synthetic batch, SGD). The
   tools run in blocks of ``--block`` steps, interleaved A B C ... with the order rotated
-  each round, after one warm-up block each; every step is timed on its own (wall clock).
+  each round, after one warm-up block each; every step is timed on its own (wall clock;
+  ``--clock cpu``: the process's CPU time, for CPU runs on a machine others are using).
 - A tool that works only on some steps (probe or Cockpit at ``every`` = k) is measured
   per phase of its schedule: the logged step (phase 0), the step after it (phase 1:
   Cockpit's two-step quantities finish there) and the others. Each block starts at a
@@ -69,6 +70,13 @@ def per_step(times: Dict[str, List[float]], every: int) -> float:
     return (med["log"] + med["next"] + (every - 2) * rest) / every
 
 
+# wall: perf_counter (the default; what a user waits). cpu: the process's CPU time on CPU runs,
+# all threads together: the work done, robust to other processes on a shared machine (a busy
+# machine stretches wall time many-fold and unevenly between neighbouring blocks).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = "wall"
+
+
 def interleaved(tools: List[Bare], rounds: int, length: int, device="cpu",
                 on_block: Optional[Callable[[], None]] = None) -> List[Dict[str, List[float]]]:
     """Per tool, step times by phase (each step bracketed by a device synchronisation).
@@ -82,10 +90,10 @@ def interleaved(tools: List[Bare], rounds: int, length: int, device="cpu",
             start = block_start(r, tool.every, length)
             for s in range(start, start + length):
                 synchronize(device)
-                t0 = time.perf_counter()
+                t0 = CLOCKS[_clock]()
                 tool.step(s)
                 synchronize(device)
-                dt = time.perf_counter() - t0
+                dt = CLOCKS[_clock]() - t0
                 if r > 0:
                     times[i][phase(s, tool.every)].append(dt)
         if on_block is not None:
@@ -236,6 +244,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--growth-tensors", nargs="+", type=int, default=[10, 32, 100, 320, 1000])
     p.add_argument("--growth-batch", nargs="+", type=int, default=[16, 32, 64, 128, 256])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--clock", default="wall", choices=list(CLOCKS),
+                   help="wall clock, or the process's CPU time (CPU runs on a busy machine)")
     p.add_argument("--ops", action="store_true",
                    help="also count the probe's operations per logged step (on CPU)")
     p.add_argument("--ops-only", action="store_true", help="only the operation counts")
@@ -245,6 +255,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("overhead.py: --device cuda, but torch sees no CUDA device (choices: cpu, cuda)",
               file=sys.stderr)
         return 2
+    if args.clock == "cpu" and args.device != "cpu":
+        print("overhead.py: --clock cpu times CPU runs only (a GPU's work is not CPU time); "
+              "choices for --device cuda: wall", file=sys.stderr)
+        return 2
+    global _clock
+    _clock = args.clock
     device = torch.device(args.device)
 
     torch.set_num_threads(args.threads)
@@ -263,7 +279,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "torch": torch.__version__, "load_before": os.getloadavg(), "device": args.device,
             "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
-            "rounds": rounds, "block": length}
+            "rounds": rounds, "block": length, "clock": args.clock}
     batch_sizes = {m: args.batch or (MODELS[m][3] if args.quick else MODELS[m][2])
                    for m in models}
     meta["batch"] = batch_sizes
