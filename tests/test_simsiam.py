@@ -40,20 +40,28 @@ def test_nostopgrad_collapses_and_control_does_not(tmp_path):
     assert evaluate(control_cfg.signature, ablation_records).reproduced is False
 
 
-def test_frozen_predictor_fails_without_collapse(tmp_path):
+def test_frozen_predictor_does_not_converge_nor_collapse_but_its_accuracy_stays_high(tmp_path):
     frozen_cfg, frozen, frozen_records = run_experiment(tmp_path, "simsiam_frozen_predictor", *SHORT)
     nostop_cfg = compose_config(["experiment=simsiam_nostopgrad"])
-    assert frozen["reproduced"] is True, frozen["checks"]
+    checks = {c["metric"]: c for c in frozen["checks"]}
+    assert checks["progress_to"]["ok"] and checks["z_std"]["ok"], frozen["checks"]  # Table 1b's "no convergence"
+    # Table 1b's accuracy (1.5%) does not reproduce at this scale (experiments/simsiam.md):
+    # the accuracy check fails, and with it the verdict.
+    assert not checks["knn_acc"]["ok"] and frozen["reproduced"] is False, frozen["checks"]
     # Not collapse: the collapse signature does not fire on the frozen predictor's records.
     assert evaluate(nostop_cfg.signature, frozen_records).reproduced is False
     assert "predictor.0.weight" in frozen["frozen"]
 
 
+# The predictor ablations' headline accuracy (Table 1: 0.1%, 1.5%) does not reproduce at
+# this scale (experiments/simsiam.md): their verdict is NOT REPRODUCED.
+EXPECTED = {"simsiam_baseline": True, "simsiam_nostopgrad": True, "simsiam_nopredictor": False,
+            "simsiam_frozen_predictor": False}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
-@pytest.mark.parametrize(
-    "name", ["simsiam_baseline", "simsiam_nostopgrad", "simsiam_nopredictor", "simsiam_frozen_predictor"]
-)
-def test_default_scale_reproduces_on_every_seed(tmp_path, name, seed):
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_default_scale_verdicts_on_every_seed(tmp_path, name, seed):
     cfg, summary, _ = run_experiment(tmp_path, name, f"seed={seed}")
-    assert summary["reproduced"] is True, OmegaConf.to_yaml(cfg.signature) + str(summary["checks"])
+    assert summary["reproduced"] is EXPECTED[name], OmegaConf.to_yaml(cfg.signature) + str(summary["checks"])

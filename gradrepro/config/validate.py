@@ -25,7 +25,7 @@ from gradrepro.measure import frozen_audit, init_reference, mode_pass
 from gradrepro.objectives import OBJECTIVES
 from gradrepro.records import LOGGERS, tensorboard_available
 from gradrepro.records.run import RUN_CONSTANTS, RUN_SCALARS
-from gradrepro.signature import METRICS, OPS, ROLES
+from gradrepro.signature import DIFFERENCES, METRICS, OPS, ROLES, TRANSFORMS
 from gradrepro.signature.metrics.precision import SHADOW_METRICS
 from gradrepro.train.init import INIT_MODES, INIT_SCHEMES
 from gradrepro.train.optim import OPTIMIZERS, SCHEDULES
@@ -238,6 +238,10 @@ def _check_signature(cfg: Any) -> None:
                 f"signature.checks[{i}].metric={name!r} is recorded by nothing in this run"
                 + (f" (did you mean {', '.join(map(repr, close))}?)" if close else "")
                 + f"; known names: {', '.join(literal)}")
+        for key, valid in (("transform", TRANSFORMS), ("how", DIFFERENCES)):
+            if params.get(key) is not None and params.get(key) not in valid:
+                raise UserError(f"signature.checks[{i}].params.{key}={params.get(key)!r} is not valid; "
+                                f"choose one of: {', '.join(valid)}")
         for key in ("relative_to", "closer_to", "than", "reference"):
             ref = params.get(key)
             if ref is not None and ref not in references:

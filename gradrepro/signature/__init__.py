@@ -4,8 +4,10 @@ metrics live in ``metrics/`` by family and register by name (``registry``); ``na
 before a run starts, which metric names its records will hold."""
 
 from gradrepro.signature.evaluate import (
+    DIFFERENCES,
     OPS,
     ROLES,
+    TRANSFORMS,
     CheckResult,
     Verdict,
     decide,
@@ -17,5 +19,5 @@ from gradrepro.signature.evaluate import (
 )
 from gradrepro.signature.registry import METRICS, metric
 
-__all__ = ["METRICS", "OPS", "ROLES", "decide", "CheckResult", "Verdict", "evaluate", "format_verdict", "metric",
-           "metric_ratio", "observe", "reduce_series"]
+__all__ = ["DIFFERENCES", "METRICS", "OPS", "ROLES", "TRANSFORMS", "CheckResult", "Verdict", "decide", "evaluate",
+           "format_verdict", "metric", "metric_ratio", "observe", "reduce_series"]

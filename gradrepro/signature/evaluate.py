@@ -76,8 +76,33 @@ def reduce_series(values: pd.Series, how: str, window: int) -> float:
     raise ValueError(f"unknown reduce {how!r}: choose last, first, min, max or change")
 
 
+def abs_log2(value: float) -> float:
+    """|log2 x|: "within a factor of 2 of the derived value" as one check, |log2 x| <= 1, which
+    fails on either side (two one-sided checks would each pass on one side of the interval)."""
+    if value > 0:
+        return abs(math.log2(value))
+    return math.inf if value == 0 else math.nan
+
+
+# ``params.transform``: applied to the observed value before the comparison.
+TRANSFORMS: Dict[str, Callable[[float], float]] = {"abs_log2": abs_log2}
+
+# ``params.how``: a metric against the same metric on a reference run (own, reference).
+DIFFERENCES: Dict[str, Callable[[float, float], float]] = {
+    "ratio": ratio,
+    "difference": operator.sub,
+    "abs_difference": lambda own, ref: abs(own - ref),
+    "relative_difference": lambda own, ref: ratio(abs(own - ref), abs(ref)),
+}
+
+
 def observe(name: str, records: RunRecords, window: int, params: Dict[str, Any]) -> float:
     params = dict(params)
+    transform = params.pop("transform", None)
+    if transform is not None:
+        if transform not in TRANSFORMS:
+            raise ValueError(f"unknown transform {transform!r}: choose {', '.join(TRANSFORMS)}")
+        return TRANSFORMS[transform](observe(name, records, window, params))
     window = int(params.pop("window", window))
     reference = params.pop("relative_to", None)
     if reference is not None:
@@ -88,13 +113,9 @@ def observe(name: str, records: RunRecords, window: int, params: Dict[str, Any])
             raise KeyError(f"reference run {reference!r} not recorded")
         own = observe(name, records, window, params)
         ref = observe(name, records.references[reference], window, params)
-        if how == "ratio":
-            return ratio(own, ref)
-        if how == "difference":
-            return own - ref
-        if how == "relative_difference":
-            return ratio(abs(own - ref), abs(ref))
-        raise ValueError(f"unknown how {how!r}: choose ratio, difference or relative_difference")
+        if how in DIFFERENCES:
+            return DIFFERENCES[how](own, ref)
+        raise ValueError(f"unknown how {how!r}: choose {', '.join(DIFFERENCES)}")
     if name in METRICS:
         return float(METRICS[name](records, window=window, **params))
     column = params.pop("column", name)
@@ -124,7 +145,7 @@ def evaluate(signature: Any, records: RunRecords) -> Verdict:
         try:
             observed = observe(check["metric"], records, window, params)
             note = "not recorded, or not a number" if math.isnan(observed) else ""
-        except (KeyError, ValueError, ArithmeticError) as exc:  # a verdict never costs the records
+        except (LookupError, ValueError, ArithmeticError) as exc:  # a verdict never costs the records
             observed, note = math.nan, str(exc)
         ok = holds(observed, op, threshold)
         results.append(CheckResult(check["metric"], observed, op, threshold, ok, check.get("paper"),

@@ -42,6 +42,20 @@ def steps_to(records: RunRecords, window: int, column: str, target: float,
     return float(reached.iloc[0]) if len(reached) else math.nan
 
 
+@metric("progress_to")
+def progress_to(records: RunRecords, window: int, column: str, target: float) -> float:
+    """How far ``column`` went from its first logged value toward ``target``, as a fraction of
+    the way: (first - last) / (first - target), ``last`` the mean of the last ``window`` logged
+    values. 1: it reached the target (SimSiam's minimum loss -1); 0: it did not move; below 0:
+    it went the other way (a diverging loss); 0.5: half-way, closer to neither end."""
+    values = records.scalars[column].dropna() if column in records.scalars else pd.Series(dtype=float)
+    if len(values) < 2:
+        return math.nan
+    first, last = float(values.iloc[0]), float(values.iloc[-window:].mean())
+    span = first - float(target)
+    return (first - last) / span if span != 0 else math.nan  # started at the target: undefined
+
+
 @metric("growth")
 def growth(records: RunRecords, window: int, column: str, from_step: int | None = None,
            until_step: int | None = None) -> float:

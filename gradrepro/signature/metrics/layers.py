@@ -124,6 +124,25 @@ def backprop_ratio_over_derived(records: RunRecords, window: int, numerator: str
     return layer_ratio(records, window, numerator, denominator, "act_grad_std", 0) / derived
 
 
+@metric("grad_attenuation_over_derived")
+def grad_attenuation_over_derived(records: RunRecords, window: int, module: str, in_channels: int,
+                                  depth: int, width: int, image_size: int, fc_widths: Sequence[int],
+                                  num_classes: int, scheme: str, reference_init: str, kernel: int = 3,
+                                  std: float = 0.01, mode: str = "fan_in", head: str = "flatten",
+                                  column: str = "grad_std") -> float:
+    """``times_below_reference`` of one layer's weight gradient over what Eq. 14 derives for the
+    layers above it in a ``model=plainnet`` (derivation.weight_grad_attenuation), ``scheme``
+    against the init reference ``reference_init``: 1 when the derivation holds. Read from the
+    weight gradient, recorded down to float32's smallest values (the std-0.01 net's first conv: ~1e-29)."""
+    fans = derivation.plainnet_fans(in_channels, depth, width, image_size, fc_widths, num_classes, kernel, head)
+    names = weight_layers(records.modules)
+    if len(names) != len(fans):
+        raise KeyError(f"{len(names)} weight layers recorded, {len(fans)} in the plainnet description")
+    layer = names.index(select(records.modules, module))
+    derived = derivation.weight_grad_attenuation(fans, layer, scheme, reference_init, float(std), mode)
+    return ratio(times_below_reference(records, window, module, column), derived)
+
+
 @metric("layer_fall")
 def layer_fall(records: RunRecords, window: int, modules: str, column: str, step: Any = 0) -> float:
     """series[-1] / series[0]: how many times larger the statistic is at the last layer of

@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from gradrepro.records.run import RunRecords
+from gradrepro.signature.numerics import ratio
 from gradrepro.signature.registry import metric
 
 
@@ -45,7 +46,7 @@ def curve_distance_ratio(records: RunRecords, window: int, closer_to: str, than:
         return math.nan
     near = curve_distance(records, refs[closer_to], column, until_step, log)
     far = curve_distance(records, refs[than], column, until_step, log)
-    return near / far if far else math.nan
+    return ratio(near, far)  # the curve of ``than`` itself: infinitely closer to it
 
 
 @metric("accuracy_gap_se")
