@@ -1,8 +1,11 @@
-"""``python -m gradrepro.compare PATH... [--by KEY ...] [--format F] [--out F] [--plot F.png]``
+"""``python -m gradrepro.compare PATH... [--by KEY ...] [--table T] [--signatures S] [--format F]
+[--out F] [--plot F.png]``
 
 Reads any mix of run and sweep folders (recursively) and prints the comparison tables of
-``analysis/tables.py``: runs, groups over seeds by the scientific knob, and each ablation
-beside its control.
+``analysis/tables.py``: runs, groups over seeds by the scientific knob, each ablation beside
+its control, and each ablation's checks on it and on its control (``--table checks``, per
+seed; ``--table margins``, over seeds). ``--signatures current`` evaluates the package's
+current signatures on runs recorded before they changed.
 
 Run folders are read as untrusted data (``records/reader.py``): a folder that cannot be used
 is skipped with one warning line, and the tables still come out; the exit code is 1 only when
@@ -23,6 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import pandas as pd
 from hydra.experimental.callback import Callback
 
+from gradrepro.analysis.checks import SIGNATURE_SOURCES
 from gradrepro.analysis.compare_figure import plot_runs
 from gradrepro.analysis.tables import TABLES, build_tables, render
 from gradrepro.errors import UserError, exit_on_user_error
@@ -37,11 +41,11 @@ EXIT_NOTHING_READABLE = 1
 
 
 def compare(
-    paths: Sequence[Path], by: Optional[Sequence[str]] = None
+    paths: Sequence[Path], by: Optional[Sequence[str]] = None, signatures: str = "recorded"
 ) -> Tuple[Dict[str, pd.DataFrame], List[Run], List[str]]:
     """Load ``paths`` and build the tables: ``(tables, runs, warnings)``; ``{}`` if no runs."""
     runs, warnings = load_runs(paths)
-    tables = build_tables(runs, by, warnings) if runs else {}
+    tables = build_tables(runs, by, warnings, signatures) if runs else {}
     return tables, runs, warnings
 
 
@@ -71,6 +75,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="which table to print (default: all)",
     )
     parser.add_argument(
+        "--signatures",
+        choices=SIGNATURE_SOURCES,
+        default="recorded",
+        help="the signatures the pairs, checks and margins tables evaluate: the ones the runs "
+        "recorded (default), or the package's current configs composed with each run's overrides",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         help="write the table(s) here instead of stdout; with --format csv each table gets its "
@@ -95,7 +106,7 @@ def _compare_main(args: argparse.Namespace) -> int:
     out = check_output_file(args.out, "--out") if args.out else None
     plot = check_output_file(args.plot, "--plot") if args.plot else None
     try:
-        tables, runs, warnings = compare(args.paths, args.by)
+        tables, runs, warnings = compare(args.paths, args.by, args.signatures)
     except KeyError as exc:
         raise UserError(exc.args[0]) from None
     for line in warnings:
@@ -129,7 +140,8 @@ def _compare_main(args: argparse.Namespace) -> int:
 
 
 # Why a table can be empty (said when it is, instead of writing an empty file).
-EMPTY = {"runs": "no runs", "groups": "no complete runs", "pairs": "no ablation beside its control"}
+EMPTY = {"runs": "no runs", "groups": "no complete runs", "pairs": "no ablation beside its control",
+         "checks": "no ablation with a signature", "margins": "no ablation with a signature"}
 
 
 def csv_paths(out: Path, names: Sequence[str]) -> Dict[str, Path]:

@@ -7,7 +7,9 @@
   differ, other than the seed; tuning_playbook's scientific vs nuisance knobs), mean and std
   over seeds and how many seeds reproduced the signature;
 - **pairs**: each ablation beside its control when both are present: the ablation's own
-  signature evaluated on the control's records too, so every column is comparable.
+  signature evaluated on the control's records too, so every column is comparable;
+- **checks** and **margins**: every check of an ablation's signature on it and on its control,
+  seed by seed, and over seeds (``analysis/checks.py``).
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import pandas as pd
 
+from gradrepro.analysis.checks import checks_table, margins_table
 from gradrepro.records.reader import Run, signature_of
-from gradrepro.records.run import RunRecords
 from gradrepro.signature import evaluate
 
-TABLES = ("runs", "groups", "pairs")
+TABLES = ("runs", "groups", "pairs", "checks", "margins")
 _TAIL = ("final_loss", "steps", "wall_s")
 
 
@@ -134,8 +136,7 @@ def groups_table(runs_df: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
 
 def _observe(signature: Dict[str, Any], run: Run) -> Dict[str, Any]:
     """The ``signature`` evaluated on ``run``'s records: ``{key: observed, "reproduced": bool}``."""
-    records = RunRecords(run.scalars(), run.modules(), run.summary.get("constants") or {})
-    verdict = evaluate(signature, records)
+    verdict = evaluate(signature, run.records())  # its reference runs included
     keys = check_keys(signature.get("checks") or [])
     return {
         "reproduced": verdict.reproduced,
@@ -209,9 +210,11 @@ def pairs_table(
 
 
 def build_tables(
-    runs: Sequence[Run], by: Optional[Sequence[str]] = None, warnings: Optional[List[str]] = None
+    runs: Sequence[Run], by: Optional[Sequence[str]] = None, warnings: Optional[List[str]] = None,
+    signatures: str = "recorded",
 ) -> Dict[str, pd.DataFrame]:
-    """``{"runs": ..., "groups": ..., "pairs": ...}`` (``by`` defaults to the knobs)."""
+    """``{"runs": ..., "groups": ..., "pairs": ..., "checks": ..., "margins": ...}`` (``by``
+    defaults to the knobs; ``signatures``: the runs' recorded ones or the package's current)."""
     runs_df = runs_table(runs)
     by = list(by) if by else ["experiment", *runs_df.attrs["knobs"]]
     unknown = [k for k in by if k not in runs_df.columns]
@@ -222,7 +225,9 @@ def build_tables(
         )
     groups = groups_table(runs_df, by)
     groups.attrs["by"] = by
-    return {"runs": runs_df, "groups": groups, "pairs": pairs_table(runs, runs_df, warnings)}
+    checks = checks_table(runs, runs_df.attrs["knobs"], signatures, warnings)
+    return {"runs": runs_df, "groups": groups, "pairs": pairs_table(runs, runs_df, warnings),
+            "checks": checks, "margins": margins_table(checks)}
 
 
 # --- rendering: pandas writes every format --------------------------------------------------
@@ -261,6 +266,9 @@ TITLES = {
     "groups": "Groups (mean ± std over seeds; reproduced = seeds whose signature reproduced)",
     "pairs": "Ablation vs control (the ablation's checks evaluated on both; "
     "control reproduced should be 0/n)",
+    "checks": "Checks (each ablation's checks on it and on its control, per seed; evidence: "
+    "ok_failure true and ok_control false)",
+    "margins": "Margins over seeds (min margin on the control: how far it is on the failing side)",
 }
 
 
