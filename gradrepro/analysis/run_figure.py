@@ -1,10 +1,12 @@
 """signals.png: the loss curve (and the key scalar) next to a per-module heat map of
-gradient norm over steps: a falling loss beside the modules that actually got signal."""
+gradient norm over steps: a falling loss beside the modules that actually got signal; then
+every other logged scalar the signature's checks read (SimSiam's k-NN accuracy, the training
+accuracy a speedup counts steps to), with the threshold where a check compares it directly."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import pandas as pd
@@ -22,20 +24,43 @@ def module_grad_norms(modules: pd.DataFrame) -> pd.DataFrame:
     return np.sqrt(table.reindex([m for m in order if m in table.index]))
 
 
+def checked_scalars(checks: Sequence[Dict[str, Any]], columns: Sequence[str]) -> Dict[str, List[float]]:
+    """The logged scalars (other than the loss) that ``checks`` read, each with the thresholds
+    of the checks that compare it directly (the column reduced, nothing derived from it)."""
+    shown: Dict[str, List[float]] = {}
+    for check in checks:
+        params = dict(check.get("params") or {})
+        for name in (check.get("metric"), params.get("column"), params.get("numerator"), params.get("denominator")):
+            if isinstance(name, str) and name in columns and name != "loss":
+                shown.setdefault(name, [])
+        direct = check.get("metric") in columns and not {"relative_to", "transform", "scale"} & set(params)
+        if direct and check.get("metric") != "loss" and params.get("reduce") != "change":
+            shown[check["metric"]].append(float(check["threshold"]))
+    return shown
+
+
 def plot_signals(
     scalars: pd.DataFrame,
     modules: pd.DataFrame,
     path: Path,
     title: str,
     key_scalar: Optional[str] = None,
+    checked: Optional[Dict[str, List[float]]] = None,
 ) -> None:
-    fig = Figure(figsize=(13, 5))  # no pyplot: the caller's backend and figures stay as they are
+    """The figure; ``checked``: the scalars the signature reads, with their thresholds
+    (``checked_scalars``), each in its own small panel."""
+    checked = {k: v for k, v in (checked or {}).items() if k in scalars and k != key_scalar}
+    fig = Figure(figsize=(13 + 3 * bool(checked), 5))  # no pyplot: the caller's backend stays as it is
     moving = scale_moves(scalars)
+    ratios = [1, 1.4] + [0.8] * moving + [0.8] * bool(checked)
+    grid = fig.add_gridspec(1, len(ratios), width_ratios=ratios)
+    ax_loss, ax_heat = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
     if moving:
-        ax_loss, ax_heat, ax_scale = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1, 1.4, 0.8]})
-        plot_loss_scale(ax_scale, scalars)
-    else:
-        ax_loss, ax_heat = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.4]})
+        plot_loss_scale(fig.add_subplot(grid[0, 2]), scalars)
+    if checked:
+        cells = grid[0, len(ratios) - 1].subgridspec(len(checked), 1)
+        for i, (name, thresholds) in enumerate(checked.items()):
+            plot_checked(fig.add_subplot(cells[i, 0]), scalars, name, thresholds, last=i == len(checked) - 1)
     if "loss" in scalars:  # a run that never trained (a device mismatch) has no loss
         loss = scalars.dropna(subset=["loss"])
         ax_loss.plot(loss["step"], loss["loss"], color="tab:blue", label="loss")
@@ -82,3 +107,15 @@ def plot_loss_scale(ax, scalars: pd.DataFrame) -> None:
         ax_skip = ax.twinx()
         ax_skip.plot(rows["step"], rows["skipped_steps"], color="tab:red", linestyle=":")
         ax_skip.set_ylabel("skipped steps (back-offs)", color="tab:red")
+
+
+def plot_checked(ax, scalars: pd.DataFrame, name: str, thresholds: Sequence[float], last: bool) -> None:
+    """One scalar a check reads, over steps, with the thresholds it is compared with."""
+    rows = scalars.dropna(subset=[name])
+    ax.plot(rows["step"], rows[name], color="tab:purple", marker="." if len(rows) < 30 else None)
+    for threshold in thresholds:
+        ax.axhline(threshold, color="gray", linestyle="--", linewidth=0.8)
+    ax.set_title(f"{name} (checked)", fontsize=8)
+    ax.tick_params(labelsize=7)
+    if last:
+        ax.set_xlabel("step")

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from gradrepro.analysis.run_figure import plot_signals
+from gradrepro.analysis.run_figure import checked_scalars, plot_signals
 from gradrepro.config.validate import validate
 from gradrepro.errors import UserError, first_line
 from gradrepro.measure.frozen_audit import FrozenAudit
@@ -182,8 +182,9 @@ def _after_steps(cfg: DictConfig, t: Training, outcome: Outcome, stop: StopReque
 def _draw_figure(cfg: DictConfig, scalars, modules, run_dir: Path, status: str) -> bool:
     """signals.png; a failure costs nothing but the figure. True if a second signal cut it."""
     try:
+        checks = OmegaConf.to_container(cfg.signature.checks, resolve=True)
         plot_signals(scalars, modules, run_dir / FIGURE, f"{cfg.name} (seed {cfg.seed}, {status})",
-                     cfg.key_scalar)
+                     cfg.key_scalar, checked_scalars(checks, list(scalars.columns)))
     except KeyboardInterrupt:
         log.warning("%s not drawn: interrupted", FIGURE)
         return True
