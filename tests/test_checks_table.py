@@ -103,6 +103,7 @@ def test_margins_over_seeds_take_the_smallest_on_each_side(tmp_path):
     row = margins_table(table(tmp_path)).set_index("check").loc["0: loss"]
     assert row["holds_on_failure"] == "2/2" and row["fails_on_control"] == "2/2"
     assert row["min_margin_failure"] == pytest.approx(0.1) and row["min_margin_control"] == pytest.approx(0.1)
+    assert row["at_seed_failure"] == row["at_seed_control"] == 1
     assert margin(0.5, "<=", 1.0) == 0.5 and margin(2.0, "<", 1.0) == -1.0 and math.isnan(margin(math.nan, ">", 0))
 
 
@@ -143,3 +144,18 @@ def test_every_failure_experiment_has_an_evidence_check(experiment):
     assert "evidence" in roles, f"{experiment}: no evidence check (a verdict needs one)"
     assert all(c.get("paper") for c in checks), f"{experiment}: a check without its source"
 
+
+
+def test_the_table_over_every_pair_of_the_suite_at_tiny_scale(tiny_runs):
+    # At scale=tiny signatures need not discriminate: this checks the table, not the verdicts.
+    tables, runs, _ = compare(list(tiny_runs.values()))
+    checks = tables["checks"]
+    failures = sorted(e for e in failure_experiments())
+    assert sorted(checks["experiment"].unique()) == failures
+    for experiment, rows in checks.groupby("experiment"):
+        expected = compose_config([f"experiment={experiment}", "scale=tiny"]).signature.checks
+        assert len(rows) == len(expected) and (rows["role"] == "evidence").any(), experiment
+        assert (rows["control_refs"].str.startswith("own")).all(), experiment  # its control was found
+        answered = rows["ok_control"].notna()
+        assert (rows.loc[~answered, "observed_control"].isna()).all(), experiment  # n/a only when nothing observed
+    assert set(tables["margins"]["experiment"]) == set(failures)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import pandas as pd
 from omegaconf import OmegaConf
 
@@ -134,8 +133,8 @@ def checks_table(runs: Sequence[Run], knobs: Sequence[str] = (), signatures: str
 
 def margins_table(checks: pd.DataFrame) -> pd.DataFrame:
     """Per (experiment, check) over seeds: on how many the check held on the failure and failed
-    on the control (n/a seeds counted apart), and the smallest margin on each side (margin on
-    the control: how far it is on the failing side)."""
+    on the control (n/a seeds counted apart), and the smallest margin on each side with its
+    seed (margin on the control: how far it is on the failing side)."""
     if checks.empty:
         return pd.DataFrame()
     keys = [c for c in checks.columns if c not in CHECK_COLUMNS or c in ("experiment", "control", "check")]
@@ -148,15 +147,19 @@ def margins_table(checks: pd.DataFrame) -> pd.DataFrame:
             "holds_on_failure": f"{int(group['ok_failure'].sum())}/{len(group)}",
             "fails_on_control": f"{int((~answered.astype(bool)).sum())}/{len(answered)}",
             "control_n/a": int(len(group) - len(answered)),
-            "min_margin_failure": _min(group["margin_failure"]),
-            "min_margin_control": _min(group["margin_control"]),
+            **_smallest(group, "failure"),
+            **_smallest(group, "control"),
         })
     return pd.DataFrame(rows)
 
 
-def _min(values: pd.Series) -> float:
-    finite = values.dropna()
-    return float(np.min(finite)) if len(finite) else math.nan
+def _smallest(group: pd.DataFrame, side: str) -> Dict[str, Any]:
+    """The smallest margin on one side over the group's seeds, and the seed it was on."""
+    values = group[f"margin_{side}"].dropna()
+    if values.empty:
+        return {f"min_margin_{side}": math.nan, f"at_seed_{side}": None}
+    at = values.idxmin()
+    return {f"min_margin_{side}": float(values[at]), f"at_seed_{side}": group.at[at, "seed"]}
 
 
 def _warn(warnings: Optional[List[str]], line: str) -> None:
