@@ -194,12 +194,10 @@ def test_compare_rows_groups_and_paired_columns(launcher, request):
 
     ablation = next(r for r in runs if r.experiment == "simsiam_nostopgrad")
     controls = [r for r in runs if r.experiment == "simsiam_baseline"]
+    signature = signature_of(ablation)
+    loss = [c["metric"] for c in signature["checks"]].index("loss")
     by_hand = [
-        evaluate(
-            signature_of(ablation), RunRecords(r.scalars(), r.modules(), r.summary["constants"])
-        )
-        .checks[0]
-        .observed
+        evaluate(signature, RunRecords(r.scalars(), r.modules(), r.summary["constants"])).checks[loss].observed
         for r in controls
     ]
     assert pair["loss control mean"] == pytest.approx(sum(by_hand) / len(by_hand))
@@ -240,6 +238,8 @@ def test_compare_cli_formats(joblib_sweep, tmp_path):
         "runs": 4,
         "groups": 2,
         "pairs": 1,
+        "checks": 6,  # the ablation's 3 checks on each of 2 seeds
+        "margins": 3,
     }
     proc = run_module("gradrepro.compare", joblib_sweep, "--format", "latex", "--table", "groups")
     assert "\\begin{tabular}" in proc.stdout and "simsiam\\_nostopgrad" in proc.stdout
