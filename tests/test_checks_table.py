@@ -4,6 +4,7 @@ rule every failure experiment's signature follows (at least one evidence check).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -133,13 +134,20 @@ def test_current_signatures_come_from_the_package_configs(tmp_path):
     assert set(checks["role"]) == {"evidence", "context"}
 
 
+@functools.lru_cache(maxsize=None)
+def declared(experiment: str) -> tuple:
+    """(control, checks) of an experiment's config at scale=tiny (composed once per session)."""
+    cfg = compose_config([f"experiment={experiment}", "scale=tiny"])
+    return cfg.control, [dict(c) for c in cfg.signature.checks]
+
+
 def failure_experiments():
-    return [e for e in experiment_names() if compose_config([f"experiment={e}", "scale=tiny"]).control]
+    return [e for e in experiment_names() if declared(e)[0]]
 
 
 @pytest.mark.parametrize("experiment", failure_experiments())
 def test_every_failure_experiment_has_an_evidence_check(experiment):
-    checks = compose_config([f"experiment={experiment}", "scale=tiny"]).signature.checks
+    checks = declared(experiment)[1]
     roles = [c.get("role") or "evidence" for c in checks]
     assert "evidence" in roles, f"{experiment}: no evidence check (a verdict needs one)"
     assert all(c.get("paper") for c in checks), f"{experiment}: a check without its source"
@@ -153,8 +161,7 @@ def test_the_table_over_every_pair_of_the_suite_at_tiny_scale(tiny_runs):
     failures = sorted(e for e in failure_experiments())
     assert sorted(checks["experiment"].unique()) == failures
     for experiment, rows in checks.groupby("experiment"):
-        expected = compose_config([f"experiment={experiment}", "scale=tiny"]).signature.checks
-        assert len(rows) == len(expected) and (rows["role"] == "evidence").any(), experiment
+        assert len(rows) == len(declared(experiment)[1]) and (rows["role"] == "evidence").any(), experiment
         assert (rows["control_refs"].str.startswith("own")).all(), experiment  # its control was found
         answered = rows["ok_control"].notna()
         assert (rows.loc[~answered, "observed_control"].isna()).all(), experiment  # n/a only when nothing observed
