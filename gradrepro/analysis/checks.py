@@ -42,9 +42,12 @@ def margin(observed: float, op: str, threshold: float) -> float:
 
 def current_signature(run: Run, cache: Dict[Tuple[str, ...], Any]) -> Optional[Dict[str, Any]]:
     """The signature the package's configs give this run's overrides (the seed left out: no
-    signature depends on it). None when they no longer compose (an experiment renamed)."""
-    overrides = tuple(sorted(o for o in run.summary.get("overrides") or []
-                             if not o.startswith(("seed=", "hydra.", "hydra/")) and "${" not in o))
+    signature depends on it). None when they no longer compose (an experiment renamed), or
+    when an override holds an interpolation (a folder's text is never evaluated)."""
+    overrides = tuple(sorted(str(o) for o in run.summary.get("overrides") or []
+                             if not str(o).startswith(("seed=", "hydra.", "hydra/"))))
+    if any("${" in o for o in overrides):
+        return None
     if overrides not in cache:
         try:
             cfg = compose(list(overrides))
