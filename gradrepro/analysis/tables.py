@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 import pandas as pd
 
-from gradrepro.analysis.checks import checks_table, margins_table
+from gradrepro.analysis.checks import checks_table, current_signature, margins_table
 from gradrepro.records.reader import Run, signature_of
 from gradrepro.signature import evaluate
 
@@ -145,9 +145,12 @@ def _observe(signature: Dict[str, Any], run: Run) -> Dict[str, Any]:
 
 
 def pairs_table(
-    runs: Sequence[Run], runs_df: pd.DataFrame, warnings: Optional[List[str]] = None
+    runs: Sequence[Run], runs_df: pd.DataFrame, warnings: Optional[List[str]] = None,
+    signatures: str = "recorded",
 ) -> pd.DataFrame:
-    """Each ablation beside its control (same other knobs), both measured by its own checks."""
+    """Each ablation beside its control (same other knobs), both measured by its own checks
+    (the ones it recorded, or with ``signatures="current"`` the package's)."""
+    cache: Dict[Any, Any] = {}
     knobs = list(runs_df.attrs.get("knobs", []))
     done = runs_df[runs_df["complete"]]
     by_index = {i: run for i, run in enumerate(runs)}
@@ -163,7 +166,8 @@ def pairs_table(
         controls = done[same]
         if controls.empty:
             continue
-        signature = signature_of(by_index[group.index[0]])
+        first = by_index[group.index[0]]
+        signature = current_signature(first, cache) if signatures == "current" else signature_of(first)
         if signature is None:
             if warnings is not None:
                 warnings.append(
@@ -226,7 +230,7 @@ def build_tables(
     groups = groups_table(runs_df, by)
     groups.attrs["by"] = by
     checks = checks_table(runs, runs_df.attrs["knobs"], signatures, warnings)
-    return {"runs": runs_df, "groups": groups, "pairs": pairs_table(runs, runs_df, warnings),
+    return {"runs": runs_df, "groups": groups, "pairs": pairs_table(runs, runs_df, warnings, signatures),
             "checks": checks, "margins": margins_table(checks)}
 
 
