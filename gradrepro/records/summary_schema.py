@@ -9,6 +9,8 @@ import math
 from pathlib import PurePosixPath
 from typing import Any, Callable, Dict, List
 
+from gradrepro.records.files import INFINITIES
+
 STATUSES = ("completed", "diverged", "interrupted", "failed", "running", "device_mismatch")
 OPS = ("<=", "<", ">=", ">")
 # Counts and indices in a summary are 64-bit at most (steps, seeds, stopped_at).
@@ -48,7 +50,7 @@ def name(where: str, value: Any, optional: bool = False) -> None:
 def number(where: str, value: Any, optional: bool = True) -> None:
     """A float or int; null for a value not measured (JSON has no NaN), "inf" or "-inf" for an
     infinite one (records/files.py)."""
-    if (value is None and optional) or value in ("inf", "-inf"):
+    if (value is None and optional) or (isinstance(value, str) and value in INFINITIES):
         return
     if not is_number(value) or (isinstance(value, int) and abs(value) > _MAX_INT):
         _fail(where, "a number" + (" or null" if optional else ""), value)
