@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from gradrepro.config.schema import ProbeConfig  # noqa: E402
 from gradrepro.probe import Probe  # noqa: E402
+from gradrepro.probe.config import ProbeConfig  # noqa: E402
 
 # ----------------------------------------------------------------------------------------
 # Models

@@ -40,15 +40,15 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from gradrepro.analysis.run_figure import plot_signals
-from gradrepro.config.schema import ProbeConfig
 from gradrepro.diagnose.over_steps import findings_over_steps
 from gradrepro.diagnose.report import Finding
 from gradrepro.errors import UserError
+from gradrepro.probe.config import ProbeConfig
 from gradrepro.probe.probe import Probe, ProbeStep, step_norms
+from gradrepro.records.figure import plot_signals
 from gradrepro.records.files import FIGURE, SUMMARY, ensure_writable_dir, write_json
-from gradrepro.records.writer import Records
-from gradrepro.train.session import flush_seconds, versions
+from gradrepro.records.provenance import versions
+from gradrepro.records.writer import Records, flush_seconds
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from gradrepro.data.cifar10 import (
     load_batch,
 )
 from gradrepro.errors import UserError
-from gradrepro.train import loop as runner
+from gradrepro.train import pipeline as runner
 
 FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
 

@@ -108,7 +108,7 @@ _CAPS = {"train.steps": 3, "data.n_train": 128, "data.n_test": 64, "data.batch_s
 @settings(max_examples=int(os.environ.get("GRADREPRO_PROPERTY_EXAMPLES", "300")), **_SETTINGS)
 @given(argv=st.one_of(ARGV, PLAIN))
 def test_random_overrides_run_or_fail_in_one_line(argv, tmp_path_factory):
-    from gradrepro.train import loop as runner
+    from gradrepro.train import pipeline as runner
 
     argv = ["scale=tiny", *argv]
     if not check_clean(argv):

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from gradrepro.recipe.init import INIT_SCHEMES, init_weight, scheme_std
 from gradrepro.signature.derivation import (
     MODEL_B_FILTERS,
     attenuation,
@@ -16,7 +17,6 @@ from gradrepro.signature.derivation import (
     layer_factor,
     layer_stds,
 )
-from gradrepro.train.init import INIT_SCHEMES, init_weight, scheme_std
 
 
 def test_he_std_gives_the_papers_stds_for_model_b():

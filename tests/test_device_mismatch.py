@@ -14,9 +14,9 @@ import pytest
 import torch
 from conftest import compose_config, read_tables
 
-import gradrepro.train.loop as loop
+import gradrepro.train.pipeline as loop
+from gradrepro.diagnose.placement import device_mismatch_at_first_forward, unmoved_tensors
 from gradrepro.models.missing_grad import MissingGradCase, MissingGradConfig
-from gradrepro.train.placement import device_mismatch_at_first_forward, unmoved_tensors
 
 CASES = {"unregistered_list": "blocks.0", "tensor_attribute": "scale"}
 

@@ -13,13 +13,13 @@ import torch.nn.functional as F
 from conftest import probe_step
 from torch import nn
 
-from gradrepro.config.schema import ProbeConfig
 from gradrepro.diagnose import (
     DiagnoseError,
     check_derivative,
     diagnose,
 )
 from gradrepro.probe import Probe
+from gradrepro.probe.config import ProbeConfig
 
 torch.set_num_threads(1)
 

@@ -13,7 +13,7 @@ from torch import nn
 from gradrepro.data.base import ImageData
 from gradrepro.errors import UserError
 from gradrepro.objectives.base import LossOutput
-from gradrepro.train.forward_check import check_forward
+from gradrepro.recipe.forward_check import check_forward
 
 
 class Classify:

@@ -10,8 +10,8 @@ import torch
 from conftest import probe_step
 from torch import nn
 
-from gradrepro.config.schema import ProbeConfig
 from gradrepro.probe import Probe
+from gradrepro.probe.config import ProbeConfig
 from gradrepro.probe.kernels import per_example_stats
 from gradrepro.records.run import RunRecords
 from gradrepro.signature import evaluate
@@ -123,7 +123,7 @@ def test_grad_std_and_weight_decay_ratio_columns():
 
 def test_a_gradient_of_exact_zeros_is_infinitely_below_and_the_check_holds():
     # std 0.001 in the 30-layer net: the first conv's gradient underflows to exact zeros.
-    # x/0 is inf, a value (signature/numerics.py), and inf >= 1e3 holds: the attenuation
+    # x/0 is inf, a value (gradrepro/numerics.py), and inf >= 1e3 holds: the attenuation
     # claim holds in the extreme; NaN (0/0, nothing measured) would fail it.
     consts = {"reference/layer0.weight/grad_std": 1e-2}
     recs = records([0.0, 1.0], column="grad_std", constants=consts)

@@ -13,17 +13,18 @@ import torch
 from conftest import compose_config
 from torch import nn
 
-from gradrepro.config.schema import ModePassConfig, ProbeConfig
+from gradrepro.config.schema import ModePassConfig
 from gradrepro.data import ImageData
 from gradrepro.measure.frozen_audit import FrozenAudit
 from gradrepro.measure.mode_pass import mode_pass
 from gradrepro.objectives.classification import Classification, ClassificationConfig
 from gradrepro.probe import Probe
+from gradrepro.probe.config import ProbeConfig
+from gradrepro.recipe.mode_policy import hold_eval
 from gradrepro.records import read_run
 from gradrepro.signature import evaluate, metric_ratio, observe
 from gradrepro.signature.metrics.runs import curve_distance
-from gradrepro.train.loop import run
-from gradrepro.train.mode_policy import hold_eval
+from gradrepro.train.pipeline import run
 
 # --- mechanisms on tiny models --------------------------------------------------------
 

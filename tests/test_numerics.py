@@ -11,11 +11,11 @@ import pandas as pd
 import pytest
 
 from gradrepro.analysis.tables import runs_table
+from gradrepro.numerics import ratio
 from gradrepro.records.files import write_json
 from gradrepro.records.reader import json_number, read_run
 from gradrepro.records.run import RunRecords
 from gradrepro.signature import evaluate
-from gradrepro.signature.numerics import ratio
 
 
 @pytest.mark.parametrize("num, den, expected", [

@@ -19,15 +19,17 @@ from conftest import compose_config, probe_step, read_tables
 from torch import nn
 
 from gradrepro.analysis.precision_regime import growth_interval, pooled_histogram, shift_octaves
-from gradrepro.config.schema import PrecisionConfig, ProbeConfig
+from gradrepro.config.compose import compose
+from gradrepro.config.schema import PrecisionConfig
 from gradrepro.measure.reference_runs import REFERENCE_MARK, shared_overrides
 from gradrepro.probe import Probe
+from gradrepro.probe.config import ProbeConfig
 from gradrepro.probe.kernels import HIST_COLUMNS, log2_histogram
+from gradrepro.recipe.precision import Precision, RoundGradToFP16, round_to_fp16
 from gradrepro.records.run import RunRecords
 from gradrepro.signature import METRICS, evaluate
 from gradrepro.signature.metrics.precision import flush_fraction
-from gradrepro.train.loop import run
-from gradrepro.train.precision import Precision, RoundGradToFP16, round_to_fp16
+from gradrepro.train.pipeline import run
 
 EXPERIMENTS = ["precision_fp32", "precision_fp16_noscale", "precision_fp16_scale8", "precision_fp16_dynamic"]
 
@@ -230,10 +232,10 @@ def test_gradscaler_knobs_reach_the_scaler_and_growths_and_backoffs_are_counted(
 def test_a_reference_takes_the_overrides_both_experiments_share_and_not_the_knob():
     overrides = ["experiment=precision_fp16_scale8", "precision.mode=fp16", "data.n_test=200", "seed=3"]
     # noscale computes in fp16 as scale8 does: it follows the run's fp16 path; fp32 stays fp32.
-    assert shared_overrides(overrides, "precision_fp16_scale8", "precision_fp16_noscale") == [
+    assert shared_overrides(overrides, "precision_fp16_scale8", "precision_fp16_noscale", compose) == [
         "precision.mode=fp16", "data.n_test=200"]
-    assert shared_overrides(overrides, "precision_fp16_scale8", "precision_fp32") == ["data.n_test=200"]
-    assert shared_overrides(["precision=fp16"], "precision_fp16_scale8", "precision_fp32") == []
+    assert shared_overrides(overrides, "precision_fp16_scale8", "precision_fp32", compose) == ["data.n_test=200"]
+    assert shared_overrides(["precision=fp16"], "precision_fp16_scale8", "precision_fp32", compose) == []
 
 
 def test_reference_runs_are_made_by_the_run_and_recorded(cli):

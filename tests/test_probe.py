@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from gradrepro.config.schema import ProbeConfig
 from gradrepro.probe import FP16_FLUSH, Probe, grad_states
+from gradrepro.probe.config import ProbeConfig
 
 
 def two_layer() -> nn.Sequential:

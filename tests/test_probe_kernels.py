@@ -13,7 +13,6 @@ import pytest
 import torch
 from torch import nn
 
-from gradrepro.config.schema import ProbeConfig
 from gradrepro.probe import FP16_FLUSH, Probe
 from gradrepro.probe import blocks as blocks_mod
 from gradrepro.probe.blocks import (
@@ -25,6 +24,7 @@ from gradrepro.probe.blocks import (
     segment_counts,
     segment_moments,
 )
+from gradrepro.probe.config import ProbeConfig
 from gradrepro.probe.kernels import list_norms, robust_norms
 
 

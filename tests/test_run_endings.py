@@ -21,7 +21,7 @@ from conftest import ROOT, TRACEBACK_MARKERS, compose_config
 from gradrepro import cli
 from gradrepro.records import files as store
 from gradrepro.records.reader import read_run
-from gradrepro.train import loop as runner
+from gradrepro.train import pipeline as runner
 from gradrepro.train.finish import RecordsIncomplete
 
 TINY = ["scale=tiny", "train.steps=4", "probe.every=1", "eval.every=0"]
@@ -115,9 +115,10 @@ def test_nothing_writable_is_one_line_naming_the_folder(tmp_path, monkeypatch, c
 
 def send_at_reference_step(monkeypatch, sig, step: int = 1) -> dict:
     """Send ``sig`` to this process when a reference run reaches ``step``."""
+    from gradrepro.measure import reference_runs
     from gradrepro.probe import Probe
 
-    real_refs, real_after = runner.run_references, Probe._after_step
+    real_refs, real_after = reference_runs.run_references, Probe._after_step
     seen = {"references": 0, "sent": False}
 
     def run_references(*args, **kwargs):
@@ -130,7 +131,7 @@ def send_at_reference_step(monkeypatch, sig, step: int = 1) -> dict:
             os.kill(os.getpid(), sig)
         return real_after(self, s)
 
-    monkeypatch.setattr(runner, "run_references", run_references)
+    monkeypatch.setattr(reference_runs, "run_references", run_references)
     monkeypatch.setattr(Probe, "_after_step", after_step)
     return seen
 

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from conftest import compose_config
 
-from gradrepro.analysis.run_figure import checked_scalars, plot_signals
+from gradrepro.records.figure import checked_scalars, plot_signals
 
 
 def test_the_run_figure_shows_every_scalar_a_check_reads(tmp_path):

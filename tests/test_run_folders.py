@@ -18,7 +18,7 @@ from conftest import ROOT, assert_clean_error, compose_config
 from gradrepro import cli
 from gradrepro.errors import UserError
 from gradrepro.records import claim as claims
-from gradrepro.train import loop as runner
+from gradrepro.train import pipeline as runner
 
 QUICK = ["scale=tiny", "train.steps=1", "eval.every=0", "probe.every=1"]
 
@@ -81,9 +81,9 @@ def test_fresh_names_never_collide_between_processes(tmp_path):
 
 def test_a_lock_names_its_holder(tmp_path):
     folder = tmp_path / "run"
-    with claims.holding(folder):
-        assert claims.holds(folder)
-        with claims.holding(folder):  # the same process may claim again (a run inside the CLI)
+    with claims.claimed(folder):
+        assert claims.claimed_here(folder)
+        with claims.claimed(folder):  # the same process may claim again (a run inside the CLI)
             pass
         assert (folder / claims.LOCK).exists()
     assert not (folder / claims.LOCK).exists()

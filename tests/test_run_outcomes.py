@@ -19,10 +19,11 @@ from conftest import ROOT, compose_config
 
 from gradrepro.errors import UserError
 from gradrepro.probe import Probe
+from gradrepro.recipe import build
 from gradrepro.records import files as store
 from gradrepro.records.writer import Records
-from gradrepro.train import build, session
-from gradrepro.train import loop as runner
+from gradrepro.train import pipeline as runner
+from gradrepro.train import session
 
 TINY = ("scale=tiny",)
 LONG = ("scale=tiny", "train.steps=1000000")  # stopped by the test long before its end

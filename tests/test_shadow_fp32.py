@@ -20,9 +20,9 @@ from gradrepro.config.schema import PrecisionConfig
 from gradrepro.config.validate import validate
 from gradrepro.errors import UserError
 from gradrepro.measure.reference_runs import REFERENCE_MARK
-from gradrepro.measure.shadow_fp32 import PRODUCES, ShadowFP32
-from gradrepro.train.loop import run
-from gradrepro.train.precision import Precision
+from gradrepro.measure.shadow_fp32 import COLUMNS, ShadowFP32
+from gradrepro.recipe.precision import Precision
+from gradrepro.train.pipeline import run
 
 
 def run_records(overrides, run_dir):
@@ -42,8 +42,8 @@ def test_the_shadow_leaves_training_bit_identical_and_runs_on_logged_steps_only(
     s_on, m_on = run_records([*common, "probe.act_grad_reference=true"], tmp_path / "on")
     assert len(compared) == m_on["step"].nunique() == 9  # steps 0, 5, ..., 35 and the last, 39
     pd.testing.assert_frame_equal(s_off, s_on)
-    assert not set(PRODUCES) & set(m_off.columns) and set(PRODUCES) <= set(m_on.columns)
-    pd.testing.assert_frame_equal(m_off, m_on.drop(columns=list(PRODUCES)))
+    assert not set(COLUMNS) & set(m_off.columns) and set(COLUMNS) <= set(m_on.columns)
+    pd.testing.assert_frame_equal(m_off, m_on.drop(columns=list(COLUMNS)))
 
 
 def test_the_shadow_writes_no_grad_keeps_buffers_and_replays_dropout():
@@ -71,7 +71,7 @@ def test_the_shadow_writes_no_grad_keeps_buffers_and_replays_dropout():
         assert all(torch.equal(g, p.grad) for g, p in zip(grads, net.parameters()))
         assert all(torch.equal(a, b) for a, b in zip(buffers, net.buffers()))
         assert torch.equal(rng, torch.get_rng_state())
-        counts = {name: dict(zip(PRODUCES, c.tolist())) for name, c in shadow.counts.items()}
+        counts = {name: dict(zip(COLUMNS, c.tolist())) for name, c in shadow.counts.items()}
         assert set(counts) == set(modules)
         # The same dropout masks and batch statistics: nothing is zero in fp32 but carried non-zero.
         assert all(c["act_grad_gained"] == 0 for c in counts.values()), counts
@@ -88,9 +88,9 @@ def test_the_shadow_writes_no_grad_keeps_buffers_and_replays_dropout():
 
 def test_columns_follow_the_probes_rows_and_unmeasured_modules_are_nan():
     shadow = ShadowFP32({"a": nn.Linear(2, 2)}, "fp32", sample=4)
-    shadow.counts = {"a": torch.arange(len(PRODUCES), dtype=torch.float64)}
+    shadow.counts = {"a": torch.arange(len(COLUMNS), dtype=torch.float64)}
     cols = shadow.columns(["a", "a", "b"])
-    assert list(cols) == list(PRODUCES)
+    assert list(cols) == list(COLUMNS)
     np.testing.assert_array_equal(cols["act_grad_ref_numel"], [0.0, 0.0, np.nan])
 
 

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from gradrepro.records.run import RunRecords
 from gradrepro.signature import evaluate
-from gradrepro.train.loop import run
+from gradrepro.train.pipeline import run
 
 
 def run_experiment(tmp_path, name, *overrides):

@@ -169,7 +169,7 @@ def test_a_truncated_cifar_batch_is_one_clear_error(fake_cifar):
 def test_real_format_cifar_batches_load_and_train(fake_cifar, tmp_path):
     images, labels = load_batch(str(fake_cifar / "cifar-10-batches-py" / "data_batch_1"))
     assert images.shape == (40, 32, 32, 3) and images.dtype == np.uint8 and len(labels) == 40
-    from gradrepro.train import loop as runner
+    from gradrepro.train import pipeline as runner
 
     cfg = compose_config(["scale=tiny", "data=cifar10", f"data.root={fake_cifar}",
                           "data.n_train=64", "data.n_test=32"])

@@ -27,7 +27,7 @@ from gradrepro.analysis import report as report_cli
 from gradrepro.records.files import atomic_write
 from gradrepro.records.reader import load_runs, read_run, signature_of
 from gradrepro.records.untrusted import load_json, load_yaml
-from gradrepro.train import loop as runner
+from gradrepro.train import pipeline as runner
 
 TINY = ["scale=tiny", "train.steps=2", "eval.every=0", "probe.every=1"]
 

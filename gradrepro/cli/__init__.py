@@ -41,11 +41,11 @@ from gradrepro.errors import (
     interrupt_on_stop_signals,
     signal_of,
 )
-from gradrepro.records.claim import holds, release
+from gradrepro.records.claim import claimed_here, release
 from gradrepro.records.files import SUMMARY, ensure_writable_dir
 from gradrepro.records.reader import load_runs
 from gradrepro.train.finish import RecordsIncomplete, stub_summary, write_summary
-from gradrepro.train.loop import run
+from gradrepro.train.pipeline import run
 
 # Flags after which Hydra prints something instead of running: these reach Hydra untouched.
 _HYDRA_ONLY = ("help", "hydra_help", "cfg", "info", "shell_completion", "experimental_rerun")
@@ -155,7 +155,7 @@ def _prepare(argv: list) -> Optional[preflight.Checked]:
 
 def _record_interruption(checked: Optional[preflight.Checked], signum: int) -> str:
     """A signal before the run began: a claimed run folder gets a summary saying so."""
-    if checked is None or checked.path is None or checked.sweep or not holds(checked.path):
+    if checked is None or checked.path is None or checked.sweep or not claimed_here(checked.path):
         return "before the run started; nothing was recorded"
     if (Path(checked.path) / SUMMARY).exists():
         return f"after the run; run directory: {checked.path}"

@@ -23,10 +23,10 @@ from gradrepro.cli.override_checks import check_choice_names, check_deletions, c
 from gradrepro.config.compose import CONFIG_DIR, Compose, composer, group_options_recursive
 from gradrepro.config.validate import validate
 from gradrepro.errors import UserError, first_line, quiet_unless_it_fails
+from gradrepro.recipe.build import build_untrained
+from gradrepro.recipe.footprint import check_footprint
 from gradrepro.records.claim import claim, claim_fresh, runs_below
 from gradrepro.records.files import check_writable_path
-from gradrepro.train.build import build_untrained
-from gradrepro.train.footprint import check_footprint
 
 # The folder Hydra resolves a relative --config-path against: where the app is declared.
 APP_DIR = Path(__file__).resolve().parent

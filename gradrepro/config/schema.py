@@ -19,6 +19,7 @@ from gradrepro.config.resolvers import register_resolvers
 from gradrepro.data import DATA
 from gradrepro.models import MODELS
 from gradrepro.objectives import OBJECTIVES
+from gradrepro.probe.config import ProbeConfig
 
 
 @dataclass
@@ -85,7 +86,7 @@ class InitConfig:
 @dataclass
 class PrecisionConfig:
     # fp32 | fp16 (torch.autocast, fp32 master weights) | fp16_emulated (fp32 arithmetic,
-    # every activation and weight gradient rounded to fp16): see gradrepro/train/precision.py.
+    # every activation and weight gradient rounded to fp16): see gradrepro/recipe/precision.py.
     mode: str = "fp32"
     # A number for a static loss scale, or "dynamic" for torch.amp.GradScaler.
     loss_scale: Any = 1.0
@@ -98,35 +99,6 @@ class PrecisionConfig:
     # scale can only fall: the precision experiments shorten it (experiments/precision.md).
     scaler_init_scale: float = 65536.0
     scaler_growth_interval: int = 2000
-
-
-@dataclass
-class ProbeConfig:
-    every: int = 10  # log every N steps (and the last step)
-    activations: bool = True  # forward/backward hook statistics per module
-    # Examples of each batch whose activations and activation gradients the hooks summarise.
-    # Their passes are the probe's largest cost (benchmarks/README.md); 8 examples still give
-    # >= 80 values a module (a 10-way output) and 131 K at resnet18's first conv.
-    # Experiments whose verdict reads these columns set their own (precision 128, glorot 64).
-    act_sample: int = 8
-    # "tiny": grad/param ratio at least this many times below the model's median ratio.
-    tiny_factor: float = 1e4
-    # Per loss term, the gradient norm each term alone sends to each parameter.
-    task_contribution: bool = True
-    # Per module, counts of log2|activation gradient| from 2^-40 to 2^0 plus an exact-zero
-    # bin (gradrepro.probe.kernels.HIST_COLUMNS), as columns of modules.parquet. Off by default (43 columns).
-    act_grad_hist: bool = False
-    # On logged steps, a shadow fp32 backward of the same loss on the same weights and batch
-    # (gradrepro/measure/shadow_fp32.py): per module, which activation gradients that are
-    # non-zero in fp32 this run carried as exact zeros (act_grad_lost and its companions).
-    # It measures flush under real autocast too, where a flushed value is already zero.
-    act_grad_reference: bool = False
-    # For the first N steps the probe logs every step and rebuilds the running sum of the
-    # fresh gradients, to check what the optimizer stepped with (a forgotten zero_grad).
-    running_sum_steps: int = 0
-    # Per-example statistics of linear layers (Glorot & Bengio's histograms are per example):
-    # pe_act_grad_var, the variance of dloss_i/d(output), and pe_grad_var, of dloss_i/dW.
-    per_example: bool = False
 
 
 @dataclass

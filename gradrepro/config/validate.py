@@ -21,15 +21,14 @@ from gradrepro.config.resolvers import usable_cores
 from gradrepro.config.structure import check_flat_lists, undeclared_keys
 from gradrepro.data.cifar10 import check_cifar10_root
 from gradrepro.errors import UserError
-from gradrepro.measure import frozen_audit, init_reference, mode_pass
+from gradrepro.measure import MEASUREMENTS, produced_by
 from gradrepro.objectives import OBJECTIVES
+from gradrepro.recipe.init import INIT_MODES, INIT_SCHEMES
+from gradrepro.recipe.optim import OPTIMIZERS, SCHEDULES
+from gradrepro.recipe.precision import PRECISION_MODES, is_power_of_two
 from gradrepro.records import LOGGERS, tensorboard_available
 from gradrepro.records.run import RUN_CONSTANTS, RUN_SCALARS
-from gradrepro.signature import DIFFERENCES, METRICS, OPS, ROLES, TRANSFORMS
-from gradrepro.signature.metrics.precision import SHADOW_METRICS
-from gradrepro.train.init import INIT_MODES, INIT_SCHEMES
-from gradrepro.train.optim import OPTIMIZERS, SCHEDULES
-from gradrepro.train.precision import PRECISION_MODES, is_power_of_two
+from gradrepro.signature import DIFFERENCES, METRIC_NEEDS, METRICS, OPS, ROLES, TRANSFORMS
 
 
 def did_you_mean(word: str, options: Sequence[str]) -> str:
@@ -211,13 +210,18 @@ def produced_names(cfg: Any) -> Set[str]:
     objective = OBJECTIVES[cfg.objective.name][1]
     names = set(METRICS) | set(RUN_SCALARS) | set(objective.TRAIN_SCALARS) | set(objective.EVAL_SCALARS)
     names |= {f"{k}_init" for k in objective.EVAL_SCALARS} | set(RUN_CONSTANTS)
-    if cfg.init.reference is not None:
-        names |= set(init_reference.PRODUCES)
-    if cfg.train.freeze:
-        names |= set(frozen_audit.PRODUCES)
-    if cfg.eval.mode_pass.mode is not None:
-        names |= set(mode_pass.PRODUCES)
-    return names
+    constants, columns = produced_by(cfg)
+    return names | constants | columns
+
+
+def _switched_off(cfg: Any, names: Sequence[str]) -> str:
+    """The measurement that records one of ``names`` but that ``cfg`` does not switch on, as
+    'NAME, which this run does not record: set SWITCH', or ''."""
+    for cls in MEASUREMENTS.values():
+        recorded = (*cls.constants, *cls.columns)
+        if not cls.enabled(cfg) and any(fnmatch.fnmatchcase(str(n), r) for n in names for r in recorded):
+            return f"{cls.name}, which this run does not record: set {cls.switch}"
+    return ""
 
 
 def _check_signature(cfg: Any) -> None:
@@ -228,10 +232,11 @@ def _check_signature(cfg: Any) -> None:
     for i, check in enumerate(cfg.signature.checks):
         params = check.get("params") or {}
         name = check.metric if check.metric in METRICS else params.get("column", check.metric)
-        if name in SHADOW_METRICS and not cfg.probe.act_grad_reference:
-            raise UserError(
-                f"signature.checks[{i}].metric={name!r} reads the fp32 shadow of each logged step, "
-                "which this run does not record: set probe.act_grad_reference=true")
+        needs = METRIC_NEEDS.get(name, ()) if check.metric in METRICS else (name,)
+        missing = [n for n in needs if not any(fnmatch.fnmatchcase(str(n), p) for p in produced)]
+        off = _switched_off(cfg, missing) if missing else ""
+        if off:
+            raise UserError(f"signature.checks[{i}].metric={name!r} reads {off}")
         if not any(fnmatch.fnmatchcase(str(name), n) for n in produced):
             close = difflib.get_close_matches(str(name), literal, n=3)
             raise UserError(

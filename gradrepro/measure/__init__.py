@@ -1,5 +1,24 @@
-"""What an experiment measures besides the probe: the init reference (``init_reference``),
-reference runs (``reference_runs``), the train/eval mode pass (``mode_pass``), the frozen
-audit (``frozen_audit``) and the fp32 shadow of logged steps (``shadow_fp32``). Each declares
-the names it records (``PRODUCES``: constants, or for the shadow modules.parquet columns), so
-a signature that reads one is checked before training."""
+"""What an experiment measures besides the probe's columns, as plug-ins the loop asks at fixed
+moments (``base``: the protocol and the registry). Importing this package registers every
+measurement, in the order the loop asks them:
+
+- ``init_reference``: the control's initialisation on the run's first batch (constants);
+- ``mode_pass``: the train/eval mode pass after training (constants);
+- ``frozen_audit``: frozen modules' parameters, buffers and mode after training (constants);
+- ``shadow_fp32``: an fp32 shadow of each logged step, for what fp16 flushed (columns);
+- ``task_contribution``: each loss term's gradient norm per parameter (columns);
+- ``reference_runs``: whole runs of other experiments, for relative checks (records), last:
+  a verdict is never computed against a reference made before the run's own measurements.
+"""
+
+from gradrepro.measure import (  # noqa: F401 - each module registers its measurement
+    frozen_audit,
+    init_reference,
+    mode_pass,
+    reference_runs,
+    shadow_fp32,
+    task_contribution,
+)
+from gradrepro.measure.base import MEASUREMENTS, Measurement, RunContext, measurement, produced_by, start_measurements
+
+__all__ = ["MEASUREMENTS", "Measurement", "RunContext", "measurement", "produced_by", "start_measurements"]

@@ -13,11 +13,33 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradrepro.measure.base import Measurement, measurement
 from gradrepro.measure.mode_pass import relative_difference
-from gradrepro.train.mode_policy import modes_kept
+from gradrepro.recipe.mode_policy import modes_kept
 
-# The constants ``finish`` records (summary.json), known before training.
-PRODUCES = ("frozen_param_change", "frozen_buffer_change", "frozen_train_mode", "frozen_output_change")
+EXAMPLES = 256  # held-out examples whose pass records each frozen module's input
+
+
+@measurement
+class FrozenAuditMeasurement(Measurement):
+    """``train.freeze``: the frozen modules' parameters, buffers and mode at the end, against
+    their state before training (``FrozenAudit``)."""
+
+    name = "frozen_audit"
+    switch = "train.freeze=[MODULE,...]"
+    constants = ("frozen_param_change", "frozen_buffer_change", "frozen_train_mode", "frozen_output_change")
+
+    @staticmethod
+    def enabled(cfg) -> bool:
+        return bool(cfg.train.freeze)
+
+    def before_training(self) -> dict[str, float]:
+        t = self.ctx.training
+        self.audit = FrozenAudit(t.net, t.frozen, t.data.eval_sets()[2][:EXAMPLES]) if t.frozen else None
+        return {}
+
+    def after_training(self, completed: bool) -> dict[str, float]:
+        return self.audit.finish(self.ctx.training.net) if self.audit is not None else {}
 
 
 class FrozenAudit:

@@ -20,15 +20,32 @@ from typing import Any, Dict
 import numpy as np
 import torch
 
+from gradrepro.measure.base import Measurement, measurement
 from gradrepro.probe import Probe
+from gradrepro.recipe.build import build_network
 from gradrepro.records.run import reference_constant
-from gradrepro.train.build import build_network
 
 # The per-parameter columns kept; with them the checks can compare any layer's signal.
 COLUMNS = ("grad_norm", "grad_std", "grad_to_param", "grad_to_decay", "act_grad_std",
            "act_std", "pe_act_grad_var", "pe_grad_var")
-# The constants ``measure_reference`` records, as names and fnmatch patterns.
-PRODUCES = ("reference/loss", "reference/*")
+
+
+@measurement
+class InitReference(Measurement):
+    """``init.reference: SCHEME``: the network under the control's init, one forward/backward
+    on the run's first batch, before any step (see the module docstring)."""
+
+    name = "init_reference"
+    switch = "init.reference=SCHEME"
+    constants = ("reference/loss", "reference/*")
+
+    @staticmethod
+    def enabled(cfg: Any) -> bool:
+        return cfg.init.reference is not None
+
+    def before_training(self) -> Dict[str, float]:
+        c, t = self.ctx, self.ctx.training
+        return measure_reference(c.cfg, t.data, t.objective, t.init_rng, c.generator, c.device)
 
 
 def measure_reference(cfg: Any, data: Any, objective: Any, init_rng: torch.Tensor,

@@ -21,12 +21,30 @@ import torch
 from torch import nn
 
 from gradrepro.data import Batch
-from gradrepro.train.mode_policy import hold_eval, modes_kept
+from gradrepro.measure.base import Measurement, measurement
+from gradrepro.recipe.mode_policy import hold_eval, modes_kept
 
 COMPANION_EXAMPLES = 8  # examples whose outputs are compared across two companion batches
 
-# The constants ``mode_pass`` records (summary.json), as names and fnmatch patterns.
-PRODUCES = ("diag_*",)
+
+@measurement
+class ModePass(Measurement):
+    """``eval.mode_pass.mode``: after a completed run, the pass in that mode beside the eval-mode
+    function (``mode_pass``)."""
+
+    name = "mode_pass"
+    switch = "eval.mode_pass.mode=eval|train"
+    constants = ("diag_*",)
+
+    @staticmethod
+    def enabled(cfg: Any) -> bool:
+        return cfg.eval.mode_pass.mode is not None
+
+    def after_training(self, completed: bool) -> dict[str, float]:
+        if not completed:
+            return {}
+        t = self.ctx.training
+        return mode_pass(t.net, t.objective, t.data, self.ctx.cfg.eval.mode_pass, t.held)
 
 
 def _buffers(net: nn.Module) -> dict[str, torch.Tensor]:

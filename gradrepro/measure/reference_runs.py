@@ -2,7 +2,10 @@
 same seed, scale, device, threads and step budget, and the command-line overrides both
 experiments share (data, model, the fp16 path), into ``run_dir/references/NAME``, so that
 a check ``relative_to: NAME`` ("final loss at least 2x fp32's") still reads only what this
-run recorded."""
+run recorded.
+
+The runs are made by the pipeline's own ``run_experiment`` and ``compose``, which the run
+hands down in its ``RunContext``: this layer never imports the layers above it."""
 
 from __future__ import annotations
 
@@ -15,8 +18,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from gradrepro.config.compose import compose
 from gradrepro.errors import first_line
+from gradrepro.measure.base import Measurement, RunContext, measurement
 from gradrepro.records.reader import read_run
 from gradrepro.records.run import RunRecords
 
@@ -28,6 +31,7 @@ REFERENCE_CARRY = ("seed", "device", "threads", "train.steps")
 REFERENCE_MARK = "+_reference_of"
 
 TrainFn = Callable[[DictConfig, Path, Sequence[str]], Dict[str, Any]]
+ComposeFn = Callable[[Sequence[str]], DictConfig]
 
 
 def is_reference(overrides: Sequence[str]) -> bool:
@@ -35,13 +39,15 @@ def is_reference(overrides: Sequence[str]) -> bool:
     return any(o.startswith(REFERENCE_MARK) for o in overrides)
 
 
-def reference_overrides(cfg: DictConfig, overrides: Sequence[str], experiment: str) -> list:
+def reference_overrides(cfg: DictConfig, overrides: Sequence[str], experiment: str,
+                        compose: Optional[ComposeFn] = None) -> list:
     """The overrides a reference run is composed from: its experiment, and what it shares
-    with the run that asks for it."""
+    with the run that asks for it (``compose`` composes the two experiments to find that;
+    without command-line overrides it is not needed)."""
     carried = [f"{key}={OmegaConf.select(cfg, key)}" for key in REFERENCE_CARRY]
     scale = [o for o in overrides if o.startswith("scale=")]
     own = next((o.partition("=")[2] for o in overrides if o.startswith("experiment=")), None)
-    shared = shared_overrides(overrides, own, experiment) if own else []
+    shared = shared_overrides(overrides, own, experiment, compose) if own and compose else []
     return [f"experiment={experiment}", *carried, *scale, *shared]
 
 
@@ -55,14 +61,47 @@ class References:
     failed: Optional[str] = None
 
 
-def run_references(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], train: TrainFn) -> References:
-    """Run each reference experiment with ``train`` (the runner's ``run``). A reference that
+@measurement
+class ReferenceRuns(Measurement):
+    """``references: {NAME: EXPERIMENT}``: after a completed run that is not itself a reference
+    and was not stopped, each reference experiment is run into ``references/NAME``."""
+
+    name = "reference_runs"
+    switch = "references: {NAME: EXPERIMENT}"
+
+    @staticmethod
+    def enabled(cfg: Any) -> bool:
+        return bool(cfg.references)
+
+    def __init__(self, ctx: RunContext) -> None:
+        super().__init__(ctx)
+        self.made = References()
+
+    def after_training(self, completed: bool) -> Dict[str, float]:
+        c = self.ctx
+        if completed and not c.stopped() and not is_reference(c.overrides):
+            self.made = run_references(c.cfg, c.run_dir, c.overrides, c.run_experiment, c.compose)
+        return {}
+
+    def reference_records(self) -> Dict[str, RunRecords]:
+        return self.made.records
+
+    def summary_fields(self) -> Dict[str, Any]:
+        return {"references": self.made.runs}
+
+    def failure(self) -> Optional[str]:
+        return self.made.failed
+
+
+def run_references(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], train: TrainFn,
+                   compose: ComposeFn) -> References:
+    """Run each reference experiment with ``train`` (the pipeline's ``run``). A reference that
     is interrupted (the signal also reaches the run that asked for it) or fails ends the
     series: no verdict is ever computed against a cut-short reference, so its records are
     left out of ``records`` (its folder and summary stay)."""
     out = References()
     for name, experiment in cfg.references.items():
-        ref_overrides = reference_overrides(cfg, overrides, experiment)
+        ref_overrides = reference_overrides(cfg, overrides, experiment, compose)
         ref_dir = run_dir / "references" / name
         log.info("reference %s: experiment=%s", name, experiment)
         try:
@@ -84,7 +123,7 @@ def run_references(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], tra
     return out
 
 
-def shared_overrides(overrides: Sequence[str], experiment: str, reference: str) -> List[str]:
+def shared_overrides(overrides: Sequence[str], experiment: str, reference: str, compose: ComposeFn) -> List[str]:
     """The run's command-line overrides its reference takes too: those whose key the two
     experiments set alike (the data, the model, the fp16 path where both compute in fp16), so
     that the two runs stay comparable. A key the experiments set differently is the knob under

@@ -32,10 +32,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradrepro.train.precision import round_to_fp16
+from gradrepro.measure.base import Measurement, measurement
+from gradrepro.recipe.precision import round_to_fp16
 
 # The modules.parquet columns it records (NaN on a module it did not measure).
-PRODUCES = ("act_grad_ref_numel", "act_grad_ref_nonzero", "act_grad_ref_small", "act_grad_ref_small_unscaled",
+COLUMNS = ("act_grad_ref_numel", "act_grad_ref_nonzero", "act_grad_ref_small", "act_grad_ref_small_unscaled",
             "act_grad_lost", "act_grad_small_lost", "act_grad_gained")
 FP16_FLUSH = 2.0**-25  # fp16 rounds |x| <= 2^-25 to zero (half the smallest subnormal, ties to even)
 
@@ -43,6 +44,44 @@ FP16_FLUSH = 2.0**-25  # fp16 rounds |x| <= 2^-25 to zero (half the smallest sub
 def _first_tensor(output: Any) -> Optional[torch.Tensor]:
     out = output[0] if isinstance(output, (tuple, list)) and output else output
     return out if torch.is_tensor(out) and out.requires_grad else None
+
+
+@measurement
+class ShadowFP32Measurement(Measurement):
+    """``probe.act_grad_reference``: the fp32 shadow of each logged step (``ShadowFP32``)."""
+
+    name = "shadow_fp32"
+    switch = "probe.act_grad_reference=true"
+    columns = COLUMNS
+
+    @staticmethod
+    def enabled(cfg: Any) -> bool:
+        return bool(cfg.probe.act_grad_reference)
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        t = ctx.training
+        self.shadow = ShadowFP32(t.probe.hooked, ctx.cfg.precision.mode, ctx.cfg.probe.act_sample)
+        # Armed before the forward of a step logged by schedule; a step logged only because its
+        # loss turned out non-finite (after the forward) has no shadow.
+        self.armed = False
+
+    def before_forward(self, p: Any) -> None:
+        self.armed = True
+        self.shadow.arm()
+
+    def after_backward(self, p: Any, out: Any) -> None:
+        if self.armed:
+            self.shadow.disarm()
+
+    def after_collect(self, p: Any, batch: Any) -> None:
+        if self.armed:  # the same weights (before the step), outside autocast: fp32
+            t = self.ctx.training
+            self.shadow.compare(t.objective, t.net, batch, t.precision.shift, t.probe.loss_scale)
+
+    def step_columns(self, p: Any) -> Dict[str, np.ndarray]:
+        armed, self.armed = self.armed, False
+        return self.shadow.columns(self.ctx.training.probe.module_of) if armed else {}
 
 
 class ShadowFP32:
@@ -144,7 +183,7 @@ class ShadowFP32:
     def columns(self, module_of: List[str]) -> Dict[str, np.ndarray]:
         """The counts as modules.parquet columns: one row per parameter tensor, in the probe's
         order (``module_of``: each row's module)."""
-        nan = np.full(len(PRODUCES), np.nan)
+        nan = np.full(len(COLUMNS), np.nan)
         host = {name: c.cpu().numpy() for name, c in self.counts.items()}
-        table = np.stack([host.get(m, nan) for m in module_of]) if module_of else np.zeros((0, len(PRODUCES)))
-        return {col: table[:, j] for j, col in enumerate(PRODUCES)}
+        table = np.stack([host.get(m, nan) for m in module_of]) if module_of else np.zeros((0, len(COLUMNS)))
+        return {col: table[:, j] for j, col in enumerate(COLUMNS)}

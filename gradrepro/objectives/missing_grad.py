@@ -40,8 +40,8 @@ from gradrepro.diagnose import (
     parameter_rows,
 )
 from gradrepro.diagnose.findings import ERROR
+from gradrepro.diagnose.placement import unmoved_tensors
 from gradrepro.objectives.base import LossOutput
-from gradrepro.train.placement import unmoved_tensors
 
 
 @dataclass

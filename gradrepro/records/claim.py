@@ -33,7 +33,7 @@ def _key(folder: Path) -> Path:
     return Path(os.path.abspath(os.path.expanduser(str(folder))))
 
 
-def holds(folder: Path) -> bool:
+def claimed_here(folder: Path) -> bool:
     """Whether this process holds ``folder``."""
     return _key(folder) in _held
 
@@ -122,7 +122,7 @@ def release(folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def holding(folder: Path, what: str = "run folder", markers: Sequence[str] = RUN_MARKERS) -> Iterator[Path]:
+def claimed(folder: Path, what: str = "run folder", markers: Sequence[str] = RUN_MARKERS) -> Iterator[Path]:
     """``claim`` for the block, ``release`` after it."""
     key = claim(folder, what, markers)
     try:

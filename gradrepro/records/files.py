@@ -156,7 +156,7 @@ def _json_default(value: Any) -> Any:
 
 
 # JSON has no NaN or Infinity. An infinite value is a value (a ratio over an exact zero,
-# signature/numerics.py) and is written as one of these strings; NaN (nothing measured) as null.
+# gradrepro/numerics.py) and is written as one of these strings; NaN (nothing measured) as null.
 # records/reader.py reads both back as floats.
 INFINITIES = {"inf": float("inf"), "-inf": float("-inf")}
 

@@ -3,13 +3,28 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import numpy as np
 import pandas as pd
 
+from gradrepro.errors import UserError
 from gradrepro.records.files import MODULES, SCALARS, atomic_write
+
+# Records are rewritten (atomically) right after the first logged step, then at most every
+# FLUSH_SECONDS during a run, and at the end. GRADREPRO_FLUSH_SECONDS changes the period
+# (tests use 0: a write on every logged step, to kill a run in the middle of one).
+FLUSH_SECONDS = 10.0
+
+
+def flush_seconds() -> float:
+    value = os.environ.get("GRADREPRO_FLUSH_SECONDS", str(FLUSH_SECONDS))
+    try:
+        return float(value)
+    except ValueError:
+        raise UserError(f"GRADREPRO_FLUSH_SECONDS={value!r} must be a number of seconds") from None
 
 
 class Records:

@@ -17,7 +17,7 @@ from gradrepro.signature.evaluate import (
     observe,
     reduce_series,
 )
-from gradrepro.signature.registry import METRICS, metric
+from gradrepro.signature.registry import METRIC_NEEDS, METRICS, metric
 
-__all__ = ["DIFFERENCES", "METRICS", "OPS", "ROLES", "TRANSFORMS", "CheckResult", "Verdict", "decide", "evaluate",
-           "format_verdict", "metric", "metric_ratio", "observe", "reduce_series"]
+__all__ = ["DIFFERENCES", "METRIC_NEEDS", "METRICS", "OPS", "ROLES", "TRANSFORMS", "CheckResult", "Verdict", "decide",
+           "evaluate", "format_verdict", "metric", "metric_ratio", "observe", "reduce_series"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import List, Sequence
 
-from gradrepro.train.init import scheme_std
+from gradrepro.recipe.init import scheme_std
 
 # VGG "model B" (Simonyan & Zisserman 2015, Table 1, column B), as He et al. use it.
 MODEL_B_FILTERS = (64, 64, 128, 128, 256, 256, 512, 512, 512, 512)

@@ -22,8 +22,8 @@ from typing import Any, Callable, Dict, List, Optional
 import pandas as pd
 
 import gradrepro.signature.metrics  # noqa: F401 - every family registers its metrics
+from gradrepro.numerics import ratio
 from gradrepro.records.run import RunRecords
-from gradrepro.signature.numerics import ratio
 from gradrepro.signature.registry import METRICS
 
 ROLES = ("evidence", "context")

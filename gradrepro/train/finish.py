@@ -21,10 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from gradrepro.errors import first_line
 from gradrepro.records.files import SUMMARY, write_json
+from gradrepro.records.provenance import versions
 from gradrepro.records.untrusted import one_line
 from gradrepro.records.writer import Records
 from gradrepro.signature import Verdict
-from gradrepro.train.session import versions
 
 # What the compact summary keeps when the full one does not fit: the contract's fields that
 # say what the run was and how it ended, and each check without its params and paper text.
@@ -151,9 +151,11 @@ class Outcome:
 
 
 def full_summary(cfg: Any, t: Any, outcome: Outcome, verdict: Verdict, constants: Dict[str, Any],
-                 reference_runs: Dict[str, Any], device: torch.device, state: RunState,
+                 measured: Dict[str, Any], device: torch.device, state: RunState,
                  signal_name: Optional[str], missing: Sequence[str]) -> Dict[str, Any]:
-    """summary.json of a run that reached its verdict (the run directory contract in README.md)."""
+    """summary.json of a run that reached its verdict (the run folder contract in README.md);
+    ``measured``: what the measurements add besides constants (``references``: the reference
+    runs' essentials)."""
     completed = outcome.status == "completed"
     summary = {
         "experiment": cfg.name,
@@ -173,13 +175,14 @@ def full_summary(cfg: Any, t: Any, outcome: Outcome, verdict: Verdict, constants
         "seed": cfg.seed,
         "overrides": list(state.overrides),
         "constants": constants,
-        "references": reference_runs,
+        "references": {},
         "frozen": t.frozen,
         "eval_modules": t.held,
         "versions": versions(),
         "device": f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device),
         "threads": cfg.threads,
     }
+    summary.update(measured)
     if outcome.status == "interrupted":
         summary["signal"] = signal_name or "SIGINT"
     if outcome.error is not None:

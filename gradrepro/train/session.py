@@ -4,37 +4,18 @@ progress bar, the flush period and the versions a run records."""
 from __future__ import annotations
 
 import logging
-import os
-import platform
 import random
 import signal
-import subprocess
 import sys
-from pathlib import Path
 from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-import gradrepro
-from gradrepro.errors import UserError, stop_signals
+from gradrepro.errors import stop_signals
 
 log = logging.getLogger(__name__)
-
-# Records are rewritten (atomically) right after the first logged step, then at most every
-# FLUSH_SECONDS during a run, and at the end. GRADREPRO_FLUSH_SECONDS changes the period
-# (tests use 0: a write on every logged step, to kill a run in the middle of one).
-FLUSH_SECONDS = 10.0
-
-
-def flush_seconds() -> float:
-    value = os.environ.get("GRADREPRO_FLUSH_SECONDS", str(FLUSH_SECONDS))
-    try:
-        return float(value)
-    except ValueError:
-        raise UserError(f"GRADREPRO_FLUSH_SECONDS={value!r} must be a number of seconds") from None
-
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -49,26 +30,6 @@ def seed_everything(seed: int, device: torch.device) -> None:
     if device.type == "cpu":
         # Bit-identical records for the same config and seed on CPU.
         torch.use_deterministic_algorithms(True, warn_only=True)
-
-
-def versions() -> Dict[str, Optional[str]]:
-    commit = None
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(gradrepro.__file__).parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "gradrepro": gradrepro.__version__,
-        "git_commit": commit,
-    }
 
 
 class StopRequest:

@@ -16,9 +16,9 @@ from typing import Any, List, Sequence, Union
 import numpy as np
 import pandas as pd
 
+from gradrepro.numerics import ratio
 from gradrepro.records.run import RunRecords, reference_constant
 from gradrepro.signature import derivation
-from gradrepro.signature.numerics import ratio
 from gradrepro.signature.registry import metric
 
 _SELECTOR = re.compile(r"^(conv|linear|any)\[(-?\d*)(:?)(-?\d*)\]$")

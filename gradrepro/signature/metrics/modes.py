@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
+from gradrepro.numerics import ratio
 from gradrepro.records.run import RunRecords
-from gradrepro.signature.numerics import ratio
 from gradrepro.signature.registry import metric
 
 

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from gradrepro.measure.shadow_fp32 import PRODUCES as SHADOW_COLUMNS
+from gradrepro.measure.shadow_fp32 import COLUMNS as SHADOW_COLUMNS
 from gradrepro.probe.kernels import HIST_COLUMNS, HIST_EDGES
 from gradrepro.records.run import RunRecords
 from gradrepro.signature.registry import metric
@@ -76,9 +76,6 @@ def act_grad_flush_vs_unscaled(records: RunRecords, window: int) -> float:
 
 # --- against the fp32 shadow of each logged step (probe.act_grad_reference) ------------------
 
-# Metrics that read the shadow's columns: NaN unless the run recorded them.
-SHADOW_METRICS = ("act_grad_lost", "act_grad_ref_would_flush", "act_grad_flush_realised", "act_grad_scale_kept")
-
 
 def _shadow_sums(records: RunRecords, window: int) -> pd.Series | None:
     """The shadow's counts summed over modules and the last ``window`` logged steps."""
@@ -94,7 +91,7 @@ def _share(sums: pd.Series | None, part: str, whole: str) -> float:
     return float(sums[part] / sums[whole])
 
 
-@metric("act_grad_lost")
+@metric("act_grad_lost", needs=SHADOW_COLUMNS)
 def act_grad_lost(records: RunRecords, window: int, of: str = "nonzero") -> float:
     """Of the activation gradients that are non-zero in fp32 (``of="nonzero"``), or of all
     sampled values (``of="all"``), the share this run carried as exact zeros, pooled over
@@ -105,7 +102,7 @@ def act_grad_lost(records: RunRecords, window: int, of: str = "nonzero") -> floa
                   "act_grad_ref_nonzero" if of == "nonzero" else "act_grad_ref_numel")
 
 
-@metric("act_grad_ref_would_flush")
+@metric("act_grad_ref_would_flush", needs=SHADOW_COLUMNS)
 def act_grad_ref_would_flush(records: RunRecords, window: int, unscaled: bool = False) -> float:
     """Preflight from the fp32 shadow: of its non-zero activation gradients, the share at or
     below 2^-25 (what fp16 flushes) at the run's shift and loss scale, or at its shift alone
@@ -114,7 +111,7 @@ def act_grad_ref_would_flush(records: RunRecords, window: int, unscaled: bool = 
     return _share(_shadow_sums(records, window), part, "act_grad_ref_nonzero")
 
 
-@metric("act_grad_flush_realised")
+@metric("act_grad_flush_realised", needs=SHADOW_COLUMNS)
 def act_grad_flush_realised(records: RunRecords, window: int) -> float:
     """Of the shadow's non-zero values at or below 2^-25 at the run's scale (those fp16 flushes
     at a module boundary), the share this run carried as zeros: near 1 in fp16 arithmetic
@@ -122,7 +119,7 @@ def act_grad_flush_realised(records: RunRecords, window: int) -> float:
     return _share(_shadow_sums(records, window), "act_grad_small_lost", "act_grad_ref_small")
 
 
-@metric("act_grad_scale_kept")
+@metric("act_grad_scale_kept", needs=SHADOW_COLUMNS)
 def act_grad_scale_kept(records: RunRecords, window: int) -> float:
     """Of the shadow's non-zero values that would flush at loss scale 1, the share the run's
     loss scale lifted above 2^-25: 0 at scale 1, 1 when the scale keeps every one of them."""

@@ -12,8 +12,8 @@ import math
 
 import numpy as np
 
+from gradrepro.numerics import ratio
 from gradrepro.records.run import RunRecords
-from gradrepro.signature.numerics import ratio
 from gradrepro.signature.registry import metric
 
 

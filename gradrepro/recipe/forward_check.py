@@ -15,7 +15,7 @@ from torch import nn
 from gradrepro.data import Batch, ImageData
 from gradrepro.diagnose.registration import scan_attributes
 from gradrepro.errors import UserError, first_line
-from gradrepro.train.mode_policy import modes_kept
+from gradrepro.recipe.mode_policy import modes_kept
 
 
 def check_forward(objective: Any, net: nn.Module, data: ImageData, seed: int) -> None:

@@ -15,16 +15,16 @@ import torch
 from torch import nn
 
 from gradrepro.data import ImageData, build_data
+from gradrepro.diagnose.placement import DeviceMismatch, device_mismatch_at_first_forward
 from gradrepro.errors import UserError, first_line, quiet_unless_it_fails
 from gradrepro.models import build_model
 from gradrepro.objectives import build_objective
 from gradrepro.probe import Probe
-from gradrepro.train.forward_check import check_forward
-from gradrepro.train.init import initialize
-from gradrepro.train.mode_policy import hold_eval
-from gradrepro.train.optim import build_optimizer, freeze
-from gradrepro.train.placement import DeviceMismatch, device_mismatch_at_first_forward
-from gradrepro.train.precision import Precision
+from gradrepro.recipe.forward_check import check_forward
+from gradrepro.recipe.init import initialize
+from gradrepro.recipe.mode_policy import hold_eval
+from gradrepro.recipe.optim import build_optimizer, freeze
+from gradrepro.recipe.precision import Precision
 
 
 def build_network(cfg: Any, objective: Any, scheme: str | None = None) -> nn.Module:

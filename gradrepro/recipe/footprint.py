@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 
 from gradrepro.errors import UserError
-from gradrepro.train.build import build_untrained
+from gradrepro.recipe.build import build_untrained
 
 FLOAT32 = 4  # bytes
 # Copies of each parameter a step holds: the weights, their gradient, and the optimizer's
