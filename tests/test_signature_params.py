@@ -12,6 +12,8 @@ from conftest import compose_config
 
 from gradrepro.config.validate import validate
 from gradrepro.errors import UserError
+from gradrepro.models.plainnet import PlainNet, PlainNetConfig
+from gradrepro.recipe.init import initialize
 from gradrepro.records.run import RunRecords, reference_constant
 from gradrepro.signature import derivation, evaluate
 
@@ -60,39 +62,46 @@ def test_progress_to_is_the_fraction_of_the_way_from_the_first_value_to_the_targ
     assert math.isnan(observed(check, records([-1.0, -1.0])).observed)  # started at the target
 
 
-def test_plainnet_fans_follow_the_model():
+def test_initialize_records_each_weights_fans_and_std():
     # depth 4 with one hidden fc layer: 2 convs of 4 filters on 2x2 maps, then fc 16 -> 3 -> 2.
-    assert derivation.plainnet_fans(1, 4, 4, 2, [3], 2) == [(9, 36), (36, 36), (16, 3), (3, 2)]
-    assert derivation.plainnet_fans(1, 4, 4, 2, [3], 2, head="avgpool")[2] == (4, 3)
+    net = PlainNet(PlainNetConfig(in_channels=1, image_size=2, num_classes=2, depth=4, width=4, fc_widths=[3]))
+    facts = initialize(net, "xavier")
+    layers = [n.rpartition("/")[0].removeprefix("init/") for n in facts if n.endswith("/std")]
+    assert [(facts[f"init/{w}/fan_in"], facts[f"init/{w}/fan_out"]) for w in layers] == [
+        (9, 36), (36, 36), (16, 3), (3, 2)]
+    assert facts[f"init/{layers[1]}/std"] == pytest.approx(math.sqrt(1 / 36))
+    assert initialize(net, "default") == {}  # PyTorch's own init: nothing drawn by a scheme
 
 
 def test_weight_grad_attenuation_multiplies_one_std_ratio_per_layer_above():
-    fans = derivation.plainnet_fans(1, 4, 4, 2, [3], 2)
-    assert derivation.weight_grad_attenuation(fans, 0, "xavier", "kaiming") == pytest.approx(2 ** 1.5)
-    assert derivation.weight_grad_attenuation(fans, 3, "xavier", "kaiming") == 1.0  # nothing above
+    xavier = [math.sqrt(1 / 9), math.sqrt(1 / 36), math.sqrt(1 / 16), math.sqrt(1 / 3)]
+    kaiming = [math.sqrt(2) * s for s in xavier]
+    assert derivation.weight_grad_attenuation(xavier, kaiming, 0) == pytest.approx(2 ** 1.5)
+    assert derivation.weight_grad_attenuation(xavier, kaiming, 3) == 1.0  # nothing above
     # std 0.01 against Kaiming: sqrt(2 / fan_in) / 0.01 for each layer above the first
-    expected = math.prod(math.sqrt(2 / fan_in) / 0.01 for fan_in, _ in fans[1:])
-    assert derivation.weight_grad_attenuation(fans, 0, "normal", "kaiming", 0.01) == pytest.approx(expected)
+    expected = math.prod(k / 0.01 for k in kaiming[1:])
+    assert derivation.weight_grad_attenuation([0.01] * 4, kaiming, 0) == pytest.approx(expected)
 
 
 def test_grad_attenuation_over_derived_is_one_when_eq14_holds():
-    fans = derivation.plainnet_fans(1, 4, 4, 2, [3], 2)
-    derived = derivation.weight_grad_attenuation(fans, 0, "xavier", "kaiming")
     names, kinds = ["features.0", "features.2", "classifier.0", "classifier.2"], ["conv", "conv", "linear", "linear"]
+    own, ref = [0.5, 0.25, 0.125, 1.0], [1.0, 1.0, 0.5, 2.0]
+    derived = derivation.weight_grad_attenuation(own, ref, 0)  # 4 * 4 * 2
     rows = pd.DataFrame([{"step": 0, "module": n, "param": "weight", "param_type": k, "grad_std": 1e-30}
                          for n, k in zip(names, kinds)])
-    constants = {reference_constant("features.0.weight", "grad_std"): 1e-30 * derived}
-    params = {"module": "conv[0]", "in_channels": 1, "depth": 4, "width": 4, "image_size": 2,
-              "fc_widths": [3], "num_classes": 2, "scheme": "xavier", "reference_init": "kaiming"}
+    stds = {f"init/{n}.weight/std": o for n, o in zip(names, own)}
+    stds |= {reference_constant(f"{n}.weight", "init_std"): r for n, r in zip(names, ref)}
+    constants = {reference_constant("features.0.weight", "grad_std"): 1e-30 * derived, **stds}
+    params = {"module": "conv[0]"}
     check = {"metric": "grad_attenuation_over_derived", "op": "<=", "threshold": 1, "params": params}
     recs = records([2.3], modules=rows, constants=constants)
     assert observed(check, recs).observed == pytest.approx(1.0)
     assert observed(dict(check, params=dict(params, transform="abs_log2")), recs).ok
-    four_times = {reference_constant("features.0.weight", "grad_std"): 4e-30 * derived}
+    four_times = {**constants, reference_constant("features.0.weight", "grad_std"): 4e-30 * derived}
     assert not observed(dict(check, params=dict(params, transform="abs_log2")),
                         records([2.3], modules=rows, constants=four_times)).ok
-    wrong = observed(dict(check, params=dict(params, depth=5)), recs)  # not the recorded network
-    assert math.isnan(wrong.observed) and "weight layers" in wrong.note
+    unrecorded = {k: v for k, v in constants.items() if not k.startswith("init/")}  # an older run folder
+    assert math.isnan(observed(check, records([2.3], modules=rows, constants=unrecorded)).observed)
 
 
 @pytest.mark.parametrize("key, value, valid", [("transform", "log2", "abs_log2"), ("how", "diff", "abs_difference")])

@@ -53,7 +53,7 @@ def measure_reference(cfg: Any, data: Any, objective: Any, init_rng: torch.Tenso
     """Constants of the reference network at init (see the module docstring)."""
     with torch.random.fork_rng(devices=[]):
         torch.set_rng_state(init_rng)
-        net = build_network(cfg, objective, scheme=cfg.init.reference)
+        net, facts = build_network(cfg, objective, scheme=cfg.init.reference)
     net.to(device).train()
     generator = torch.Generator().set_state(batch_generator.get_state())
     batch = data.sample(generator)
@@ -64,6 +64,9 @@ def measure_reference(cfg: Any, data: Any, objective: Any, init_rng: torch.Tenso
         p.collect()
     columns = p.columns
     constants: Dict[str, float] = {"reference/loss": float(out.loss.detach())}
+    # The reference's init std of each weight, beside the run's own (``init/<weight>/std``).
+    constants.update({reference_constant(k.split("/")[1], "init_std"): v
+                      for k, v in facts.items() if k.endswith("/std")})
     for i, (module, param) in enumerate(zip(columns["module"], columns["param"])):
         for column in COLUMNS:
             if column in columns and np.isfinite(columns[column][i]):

@@ -9,7 +9,7 @@ before any run starts (``build_untrained``: no data, on the CPU) and the init re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -27,12 +27,13 @@ from gradrepro.recipe.optim import build_optimizer, freeze
 from gradrepro.recipe.precision import Precision
 
 
-def build_network(cfg: Any, objective: Any, scheme: str | None = None) -> nn.Module:
+def build_network(cfg: Any, objective: Any, scheme: str | None = None) -> Tuple[nn.Module, Dict[str, float]]:
     """The model wrapped by the objective (SimSiam's heads), initialised by ``init.scheme``
-    (or ``scheme``) with ``init.std`` and ``init.mode``."""
+    (or ``scheme``) with ``init.std`` and ``init.mode``, and its shape facts as constants
+    (``init/<weight>/fan_in|fan_out|std``; none under PyTorch's default init)."""
     net = objective.wrap(build_model(cfg.model))
-    initialize(net, scheme or cfg.init.scheme, cfg.init.std, cfg.init.mode)
-    return net
+    facts = initialize(net, scheme or cfg.init.scheme, cfg.init.std, cfg.init.mode)
+    return net, facts
 
 
 @dataclass
@@ -46,15 +47,17 @@ class Untrained:
     scheduler: Any
     # The torch RNG state the network's weights were drawn from (the init reference redraws them).
     init_rng: torch.Tensor
+    # The network's shape facts, recorded as run constants (recipe/init.py, ``initialize``).
+    shape_facts: Dict[str, float] = field(default_factory=dict)
 
 
 def build_untrained(cfg: Any) -> Untrained:
     objective = build_objective(cfg.objective)
     init_rng = torch.get_rng_state()
-    net = build_network(cfg, objective)
+    net, facts = build_network(cfg, objective)
     frozen = freeze(net, list(cfg.train.freeze))
     optimizer, scheduler = build_optimizer(net, cfg.optim, cfg.train.steps)
-    return Untrained(objective, net, frozen, optimizer, scheduler, init_rng)
+    return Untrained(objective, net, frozen, optimizer, scheduler, init_rng, facts)
 
 
 @dataclass

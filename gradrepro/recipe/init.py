@@ -12,6 +12,7 @@ Checked against the papers:
 from __future__ import annotations
 
 import math
+from typing import Dict
 
 import torch
 from torch import nn
@@ -53,12 +54,25 @@ def init_weight(weight: torch.Tensor, scheme: str, std: float, mode: str = "fan_
         weight.normal_(0.0, sigma)
 
 
-def initialize(net: nn.Module, scheme: str, std: float = 0.01, mode: str = "fan_in") -> None:
-    """Re-initialise every conv and linear weight (biases to zero); ``default`` keeps PyTorch's."""
+def initialize(net: nn.Module, scheme: str, std: float = 0.01, mode: str = "fan_in") -> Dict[str, float]:
+    """Re-initialise every conv and linear weight (biases to zero); ``default`` keeps PyTorch's.
+    Returns the network's shape facts as run constants (``init_constants``): each weight's fans
+    and the std the scheme gave it, so that a metric reads them instead of copies of config."""
     if scheme == "default":
-        return
-    for module in net.modules():
+        return {}
+    constants: Dict[str, float] = {}
+    for name, module in net.named_modules():
         if isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
             init_weight(module.weight, scheme, std, mode)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
+            fan_in, fan_out = fans(module.weight)
+            constants.update(init_constants(f"{name}.weight" if name else "weight", fan_in, fan_out,
+                                            scheme_std(scheme, fan_in, fan_out, std, mode)))
+    return constants
+
+
+def init_constants(param: str, fan_in: int, fan_out: int, std: float) -> Dict[str, float]:
+    """``init/<module>.weight/{fan_in,fan_out,std}``: one weight's shape facts as constants."""
+    return {f"init/{param}/fan_in": float(fan_in), f"init/{param}/fan_out": float(fan_out),
+            f"init/{param}/std": float(std)}

@@ -71,28 +71,15 @@ def attenuation(filters: Sequence[int], in_channels: int, scheme: str, reference
     return ref / own
 
 
-def plainnet_fans(in_channels: int, depth: int, width: int, image_size: int, fc_widths: Sequence[int],
-                  num_classes: int, kernel: int = 3, head: str = "flatten") -> List[tuple[int, int]]:
-    """(fan_in, fan_out) of every weight layer of ``model=plainnet`` in network order: ``depth``
-    weight layers, the fc layers last, before them k x k conv layers of ``width`` filters that
-    keep the resolution (models/plainnet.py)."""
-    n_conv = int(depth) - len(fc_widths) - 1
-    convs = conv_fans([int(width)] * n_conv, int(in_channels), int(kernel))
-    flat = int(width) * (1 if head == "avgpool" else int(image_size) ** 2)
-    dims = [flat, *map(int, fc_widths), int(num_classes)]
-    return convs + list(zip(dims[:-1], dims[1:]))
-
-
-def weight_grad_attenuation(fans: Sequence[tuple[int, int]], layer: int, scheme: str, reference: str,
-                            std: float = 0.01, mode: str = "fan_in") -> float:
-    """How many times smaller layer ``layer``'s (0-based) weight gradient is under ``scheme``
-    than under ``reference`` when both networks share their draws (each weight the same
-    standard-normal tensor times that scheme's std, biases 0, so the ReLU patterns agree): the
-    back-propagated signal at that layer's output is scaled by the std ratio of every layer
-    above it (Eq. 14, one factor per layer) and its input is the same. The softmax gradient the
-    loss injects is taken as equal in both; it is not (uniform logits against the reference's),
-    which a check's tolerance has to cover."""
+def weight_grad_attenuation(stds: Sequence[float], reference_stds: Sequence[float], layer: int) -> float:
+    """How many times smaller layer ``layer``'s (0-based) weight gradient is under the weight
+    stds ``stds`` than under ``reference_stds`` (one per weight layer, in network order) when
+    both networks share their draws (each weight the same standard-normal tensor times its
+    std, biases 0, so the ReLU patterns agree): the back-propagated signal at that layer's
+    output is scaled by the std ratio of every layer above it (Eq. 14, one factor per layer)
+    and its input is the same. The softmax gradient the loss injects is taken as equal in both;
+    it is not (uniform logits against the reference's), which a check's tolerance has to cover."""
     out = 1.0
-    for fan_in, fan_out in list(fans)[int(layer) + 1:]:
-        out *= scheme_std(reference, fan_in, fan_out, std, mode) / scheme_std(scheme, fan_in, fan_out, std, mode)
+    for own, ref in list(zip(stds, reference_stds))[int(layer) + 1:]:
+        out *= ref / own
     return out

@@ -135,7 +135,8 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopReq
 
 def _initial_constants(cfg: DictConfig, t: Training, records: Records,
                        evaluate_at: Callable[[int], None]) -> Dict[str, Any]:
-    """The evaluation before any step (its values as ``*_init`` constants) and the held-out size."""
+    """The evaluation before any step (its values as ``*_init`` constants), the held-out size and
+    the network's shape facts."""
     try:
         evaluate_at(0)
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as exc:  # before any step: the config
@@ -143,6 +144,7 @@ def _initial_constants(cfg: DictConfig, t: Training, records: Records,
                         f"model={cfg.model.name}): {first_line(exc)}") from None
     constants = {f"{k}_init": v for k, v in records.scalar_rows[0].items() if k != "step"}
     constants["n_test"] = len(t.data.eval_sets()[3])  # held-out examples every evaluation uses
+    constants.update(t.shape_facts)
     return constants
 
 

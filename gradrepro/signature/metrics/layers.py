@@ -124,22 +124,20 @@ def backprop_ratio_over_derived(records: RunRecords, window: int, numerator: str
     return layer_ratio(records, window, numerator, denominator, "act_grad_std", 0) / derived
 
 
-@metric("grad_attenuation_over_derived")
-def grad_attenuation_over_derived(records: RunRecords, window: int, module: str, in_channels: int,
-                                  depth: int, width: int, image_size: int, fc_widths: Sequence[int],
-                                  num_classes: int, scheme: str, reference_init: str, kernel: int = 3,
-                                  std: float = 0.01, mode: str = "fan_in", head: str = "flatten",
+@metric("grad_attenuation_over_derived", needs=("reference/*", "init/*"))
+def grad_attenuation_over_derived(records: RunRecords, window: int, module: str,
                                   column: str = "grad_std") -> float:
     """``times_below_reference`` of one layer's weight gradient over what Eq. 14 derives for the
-    layers above it in a ``model=plainnet`` (derivation.weight_grad_attenuation), ``scheme``
-    against the init reference ``reference_init``: 1 when the derivation holds. Read from the
-    weight gradient, recorded down to float32's smallest values (the std-0.01 net's first conv: ~1e-29)."""
-    fans = derivation.plainnet_fans(in_channels, depth, width, image_size, fc_widths, num_classes, kernel, head)
+    layers above it (``derivation.weight_grad_attenuation``): the product, over every weight
+    layer above, of the init reference's std over the run's own, both as the run recorded them
+    (``reference/<weight>/init_std`` and ``init/<weight>/std``). 1 when the derivation holds.
+    Read from the weight gradient, recorded down to float32's smallest values (the std-0.01
+    net's first conv: ~1e-29); NaN where a layer's init std was not recorded."""
     names = weight_layers(records.modules)
-    if len(names) != len(fans):
-        raise KeyError(f"{len(names)} weight layers recorded, {len(fans)} in the plainnet description")
     layer = names.index(select(records.modules, module))
-    derived = derivation.weight_grad_attenuation(fans, layer, scheme, reference_init, float(std), mode)
+    own = [records.constants.get(f"init/{n}.weight/std", math.nan) for n in names]
+    ref = [records.constants.get(reference_constant(f"{n}.weight", "init_std"), math.nan) for n in names]
+    derived = derivation.weight_grad_attenuation(own, ref, layer)
     return ratio(times_below_reference(records, window, module, column), derived)
 
 
