@@ -3,6 +3,7 @@ tests do), and compose configs with Hydra's compose API."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -49,6 +50,12 @@ def compose_config(overrides: Sequence[str] = ()):
 
     with composer() as compose:
         return compose(overrides)
+
+
+@functools.lru_cache(maxsize=None)
+def composed(experiment: str, *overrides: str):
+    """``experiment``'s composed config, composed once per test session (treat it as read-only)."""
+    return compose_config([f"experiment={experiment}", *overrides])
 
 
 def experiment_names() -> List[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import compose_config, experiment_names, run_module
+from conftest import compose_config, composed, experiment_names, run_module
 
 from gradrepro.analysis.checks import checks_table, margin, margins_table
 from gradrepro.analysis.compare import compare
@@ -137,7 +137,7 @@ def test_current_signatures_come_from_the_package_configs(tmp_path):
 @functools.lru_cache(maxsize=None)
 def declared(experiment: str) -> tuple:
     """(control, checks) of an experiment's config at scale=tiny (composed once per session)."""
-    cfg = compose_config([f"experiment={experiment}", "scale=tiny"])
+    cfg = composed(experiment, "scale=tiny")
     return cfg.control, [dict(c) for c in cfg.signature.checks]
 
 

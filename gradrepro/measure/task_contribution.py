@@ -14,6 +14,7 @@ from gradrepro.measure.base import Measurement, measurement
 class TaskContribution(Measurement):
     name = "task_contribution"
     switch = "probe.task_contribution=true"
+    columns = ("contrib_*",)  # contrib_<term>: the norm that term alone sends to each parameter
 
     @staticmethod
     def enabled(cfg: Any) -> bool:

@@ -142,9 +142,10 @@ def evaluate(signature: Any, records: RunRecords) -> Verdict:
         params = dict(check.get("params") or {})
         op = check["op"]
         threshold = float(check["threshold"])
+        why_nan.set("")
         try:
             observed = observe(check["metric"], records, window, params)
-            note = "not recorded, or not a number" if math.isnan(observed) else ""
+            note = (why_nan.get() or "not recorded, or not a number") if math.isnan(observed) else ""
         except (LookupError, ValueError, ArithmeticError) as exc:  # a verdict never costs the records
             observed, note = math.nan, str(exc)
         ok = holds(observed, op, threshold)
