@@ -1,0 +1,252 @@
+"""gradrepro.record under torch.distributed, two processes on CPU (gloo): DDP, FSDP2's
+fully_shard and a plain all-reduce loop record the same per-module statistics as one process
+training on the same global batch; a local shard's norm does not; bad setups are one line.
+
+One pair of processes runs every scenario (starting processes is the cost); the tests read
+what they wrote. Every process is joined or killed in the fixture's finally."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import traceback
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import gradrepro
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+
+WORLD, STEPS, BATCH = 2, 4, 16
+SCENARIOS = ("ddp", "fsdp", "plain")
+COMPARED = ("grad_norm", "fresh_grad_norm", "param_norm", "update_to_param", "grad_std", "frac_zero",
+            "frac_nonfinite", "frac_fp16_underflow", "act_mean", "act_std")
+
+
+def mlp() -> nn.Module:
+    """A small MLP with two dead ReLU units: their rows of fc1 and columns of fc2 get exact
+    zero gradients, so the zero counts are not trivially 0."""
+    torch.manual_seed(0)
+    net = nn.Sequential()
+    net.add_module("fc1", nn.Linear(6, 8))
+    net.add_module("act", nn.ReLU())
+    net.add_module("fc2", nn.Linear(8, 5))
+    with torch.no_grad():
+        net.fc1.weight[:2] = 0.0
+        net.fc1.bias[:2] = -1.0
+    return net
+
+
+def global_batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, 6, generator=g), torch.randint(0, 5, (BATCH,), generator=g)) for _ in range(STEPS)]
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=0.01, weight_decay=0.01)
+
+
+def train(model, opt, data, after_backward=None):
+    for x, y in data:
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+
+
+def read(run_dir):
+    return json.loads((run_dir / "summary.json").read_text()), pd.read_parquet(run_dir / "modules.parquet")
+
+
+# -- the two processes ----------------------------------------------------------------------
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    os.makedirs(out, exist_ok=True)
+    notes = {}
+    try:
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                             world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+        half = BATCH // WORLD
+        data = [(x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]) for x, y in global_batches()]
+        _ddp(data, out)
+        notes["naive_fc1_norm"] = _fsdp(data, out)
+        _plain(data, out)
+        notes["sharded_after"] = _error(lambda: _sharded_after_attach(data, out))
+        notes["missing_rank"] = _error(lambda: _recorder_on_rank0_only(rank, data, out))
+        torch.distributed.barrier()
+    except Exception:  # noqa: BLE001 - the test reads what went wrong
+        notes["crash"] = traceback.format_exc()
+    finally:
+        with open(os.path.join(out, f"notes{rank}.json"), "w") as f:
+            json.dump(notes, f)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _error(fn):
+    try:
+        fn()
+    except gradrepro.errors.UserError as exc:
+        return str(exc)
+    return None
+
+
+def _ddp(data, out):
+    ddp = nn.parallel.DistributedDataParallel(mlp())
+    opt = adam(ddp.parameters())
+    with gradrepro.record(ddp, opt, os.path.join(out, "ddp"), every=1):
+        train(ddp, opt, data)
+
+
+def _fsdp(data, out):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = mlp()
+    mesh = init_device_mesh("cpu", (WORLD,))
+    fully_shard(model.fc1, mesh=mesh)
+    fully_shard(model.fc2, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = adam(model.parameters())
+    naive = []  # what logging this process's shard would report (pytorch/pytorch#170862)
+    with gradrepro.record(model, opt, os.path.join(out, "fsdp"), every=1):
+        train(model, opt, data, lambda: naive.append(float(model.fc1.weight.grad.to_local().norm())))
+    return naive
+
+
+def _plain(data, out):
+    model = mlp()
+    opt = adam(model.parameters())
+
+    def average_grads():
+        for p in model.parameters():
+            torch.distributed.all_reduce(p.grad)
+            p.grad /= WORLD
+
+    with gradrepro.record(model, opt, os.path.join(out, "plain"), every=1, every_rank=True):
+        train(model, opt, data, average_grads)
+
+
+def _sharded_after_attach(data, out):
+    from torch.distributed.fsdp import fully_shard
+
+    model = mlp()
+    opt = adam(model.parameters())
+    rec = gradrepro.record(model, opt, os.path.join(out, "late"), every=1)
+    fully_shard(model)
+    try:
+        train(model, adam(model.parameters()), data[:1])
+        rec.optimizer.step()  # the recorder's optimizer: its hook reads the replaced parameters
+    finally:
+        rec.close()
+
+
+def _recorder_on_rank0_only(rank, data, out):
+    if rank != 0:
+        return
+    model = mlp()
+    opt = adam(model.parameters())
+    with gradrepro.record(model, opt, os.path.join(out, "alone"), every=1, timeout=2):
+        train(model, opt, data[:1])
+
+
+# -- the parent ---------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"  # fork: no second torch import
+    ctx = mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False,
+                             start_method=method)
+    try:
+        deadline = 120  # seconds: the whole run takes a few on two idle cores
+        while not ctx.join(timeout=1):
+            deadline -= 1
+            assert deadline > 0, "the two processes did not finish"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    notes = [json.loads((out / f"notes{r}.json").read_text()) for r in range(WORLD)]
+    for note in notes:
+        assert "crash" not in note, note["crash"]
+    return out, notes
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The same model and optimizer in one process on the whole global batch."""
+    out = tmp_path_factory.mktemp("single") / "single"
+    model = mlp()
+    opt = adam(model.parameters())
+    with gradrepro.record(model, opt, out, every=1):
+        train(model, opt, global_batches())
+    return read(out)[1]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_distributed_record_equals_one_process_on_the_global_batch(two_processes, one_process, scenario):
+    out, _ = two_processes
+    summary, modules = read(out / scenario)
+    assert summary["status"] == "completed" and summary["ranks"] == WORLD and summary["steps"] == STEPS
+    assert "ranks_disagree" not in summary and "ranks_nonfinite" not in summary
+    key = ["step", "module", "param"]
+    assert list(modules[key].itertuples(index=False)) == list(one_process[key].itertuples(index=False))
+    assert list(modules["grad_state"]) == list(one_process["grad_state"])
+    assert (one_process["frac_zero"] > 0).any()  # the dead units: the zero counts are compared, not 0 = 0
+    for column in COMPARED:  # float rounding: the collective and the shards sum in another order
+        np.testing.assert_allclose(modules[column], one_process[column], rtol=1e-5, atol=1e-7, err_msg=column)
+
+
+def test_the_local_shard_norm_differs_and_the_record_does_not(two_processes, one_process):
+    out, notes = two_processes
+    full = one_process.query("module == 'fc1' and param == 'weight'")["grad_norm"].to_numpy()
+    _, fsdp = read(out / "fsdp")
+    recorded = fsdp.query("module == 'fc1' and param == 'weight'")["grad_norm"].to_numpy()
+    np.testing.assert_allclose(recorded, full, rtol=1e-5)
+    for note in notes:  # each shard holds half the rows: its norm is a part, not the whole
+        naive = np.asarray(note["naive_fc1_norm"])
+        assert np.all(np.abs(naive - full) > 0.05 * full), (naive, full)
+    # The shards' squares add up to the whole: the parts are right, only their norm is not the norm.
+    both = np.asarray(notes[0]["naive_fc1_norm"]) ** 2 + np.asarray(notes[1]["naive_fc1_norm"]) ** 2
+    np.testing.assert_allclose(np.sqrt(both), full, rtol=1e-5)
+
+
+def test_rank_zero_writes_and_other_ranks_only_when_asked(two_processes):
+    out, _ = two_processes
+    assert not (out / "ddp-rank1").exists() and not (out / "fsdp-rank1").exists()
+    summary, modules = read(out / "plain-rank1")  # every_rank=True: its own folder, the same statistics
+    assert summary["rank"] == 1
+    zero = read(out / "plain")[1]
+    own = [c for c in zero.columns if not c.startswith("act_")]  # activations: each process's own sample
+    pd.testing.assert_frame_equal(modules[own], zero[own])
+
+
+def test_bad_distributed_setups_are_one_line(two_processes):
+    _, notes = two_processes
+    for note in notes:
+        assert "replaced after gradrepro.record was attached" in note["sharded_after"]
+    assert "not created on rank(s) [1] of 2" in notes[0]["missing_rank"]
+    assert notes[1]["missing_rank"] is None
