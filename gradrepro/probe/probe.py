@@ -115,6 +115,7 @@ class Probe:
         self.acts = Stash(MOMENT_ROWS)  # module outputs, first call of the step
         self.act_grads = Stash(MOMENT_ROWS + LEVEL_ROWS)  # gradients at module outputs
         self._handles: list = []
+        self._hook_fns: Dict[str, object] = {}
         self._act_grad_hist: Dict[str, torch.Tensor] = {}
         self._contrib: Dict[str, tuple] = {}  # term -> (tensors it reaches, their norm rows)
         self._pending: Optional[dict] = None
@@ -145,8 +146,12 @@ class Probe:
         for stats in (self._act_grad_hist, self._contrib, self._inputs, self._per_example):
             stats.clear()
         if hooks and self.cfg.activations:
+            # The same hook functions on every logged step: torch.compile guards on a module's
+            # hooks, so new ones would compile the model anew each logged step.
+            if not self._hook_fns:
+                self._hook_fns = {name: self._forward_hook(name) for name in self.hooked}
             for name, module in self.hooked.items():
-                self._handles.append(module.register_forward_hook(self._forward_hook(name)))
+                self._handles.append(module.register_forward_hook(self._hook_fns[name]))
         carried = [i for i, p in enumerate(self.params) if p.grad is not None]
         self._carrying = bool(carried)
         if carried:
@@ -168,6 +173,10 @@ class Probe:
         n = self.cfg.act_sample
 
         def hook(module, inputs, output):
+            # Inside a compiled graph torch.compile would trace the hook's bookkeeping (and break
+            # the graph at the tensor hook below): a compiled module's activations are left out.
+            if _compiling():
+                return
             out = output[0] if isinstance(output, (tuple, list)) else output
             # A module called twice in one step (SimSiam's two views) is recorded once: the first call.
             if (name in self.acts or not torch.is_tensor(out) or not out.is_floating_point()
@@ -300,6 +309,11 @@ class Probe:
         columns = gradient_columns(self, step, host, pending)
         columns.update(activation_columns(self, host))
         return columns
+
+
+def _compiling() -> bool:
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)  # torch >= 2.3
+    return bool(is_compiling()) if is_compiling is not None else False
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
