@@ -51,7 +51,7 @@ from gradrepro.errors import UserError
 from gradrepro.probe import ranks
 from gradrepro.probe.config import ProbeConfig
 from gradrepro.probe.probe import Probe, ProbeStep, step_norms
-from gradrepro.probe.wrappers import autocast_bf16, has_bf16, unwrap
+from gradrepro.probe.wrappers import autocast_bf16, has_bf16, is_compiled, run_eagerly, unwrap
 from gradrepro.records.figure import plot_signals
 from gradrepro.records.files import FIGURE, SUMMARY, ensure_writable_dir, write_json
 from gradrepro.records.provenance import versions
@@ -66,7 +66,8 @@ class Recorder:
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir: str | Path,
                  every: int = 10, name: Optional[str] = None, scaler: Any = None, activations: bool = True,
                  act_sample: int = 8, hooks: bool = True, bf16: Optional[bool] = None,
-                 every_rank: bool = False, timeout: float = ranks.HANDSHAKE_SECONDS) -> None:
+                 every_rank: bool = False, timeout: float = ranks.HANDSHAKE_SECONDS,
+                 eager_logged_steps: bool = False) -> None:
         _check(model, optimizer, every)
         self.model, self.optimizer, self.scaler, self.every = model, optimizer, scaler, every
         self.run_dir = Path(run_dir)
@@ -89,6 +90,7 @@ class Recorder:
         self.step = 0  # optimizer steps taken so far: the index of the step in progress
         self.status: Optional[str] = None  # set by close()
         self._begun = False
+        self._eager, self._restore = False, None
         self._current: Optional[ProbeStep] = None  # the logged step in progress
         self._scalars: dict[str, Any] = {}  # rec.log() values of the step in progress
         self._open_row: Optional[dict[str, Any]] = None  # the last logged step's row, open to rec.log()
@@ -99,7 +101,12 @@ class Recorder:
                 raise UserError(f"{type(optimizer).__name__} has no step hooks (torch.optim.Optimizer, torch >= 2.0): "
                                 "pass hooks=False and call rec.begin(), rec.before_step() and rec.after_step() "
                                 "around each optimizer step")
+            # A compiled model's logged steps run eagerly when asked, so that its activations
+            # are recorded (hooks inside a compiled graph are left out: probe.py).
+            self._eager = eager_logged_steps and is_compiled(model)
+            self._restore: Optional[Any] = None
             self._handles = [model.register_forward_pre_hook(self._on_forward),
+                             model.register_forward_hook(self._after_forward),
                              optimizer.register_step_pre_hook(lambda *_: self.before_step()),
                              optimizer.register_step_post_hook(lambda *_: self.after_step())]
         self._write_summary("running")
@@ -110,6 +117,13 @@ class Recorder:
             self.begin()
             if self._current is not None and self._bf16 is None and autocast_bf16(self.probe.params[0]):
                 self.probe.bf16 = True
+            if self._current is not None and self._eager:
+                self._restore = run_eagerly()
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._restore is not None:
+            self._restore, restore = None, self._restore
+            restore()
 
     def begin(self) -> None:
         """A step begins (before its first forward pass). The last logged step's row closes."""
@@ -197,6 +211,7 @@ class Recorder:
             return
         for handle in self._handles:
             handle.remove()
+        self._after_forward(self.model, (), None)  # a forward that raised leaves nothing set
         if self._current is not None:
             self._current.__exit__(RuntimeError, None, None)  # disarms, records nothing
             self._current = None

@@ -4,7 +4,7 @@ wrappers that change its parameter names (DDP's ``module.``, ``torch.compile``'s
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -38,3 +38,18 @@ def autocast_bf16(param: torch.Tensor) -> bool:
         if device_type == "cuda":
             return torch.is_autocast_enabled() and torch.get_autocast_gpu_dtype() == torch.bfloat16
         return torch.is_autocast_cpu_enabled() and torch.get_autocast_cpu_dtype() == torch.bfloat16
+
+
+def is_compiled(model: nn.Module) -> bool:
+    return isinstance(getattr(model, "_orig_mod", None), nn.Module)
+
+
+def run_eagerly() -> Optional[Callable[[], None]]:
+    """Run torch.compile'd code eagerly until the returned function is called (torch >= 2.6's
+    ``set_stance("force_eager")``; None where there is none): a logged step's hooks then see
+    the model's own modules, at the cost of one uncompiled step."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:
+        return None
+    stance = set_stance("force_eager")
+    return lambda: stance.__exit__(None, None, None)
