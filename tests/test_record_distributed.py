@@ -250,3 +250,31 @@ def test_bad_distributed_setups_are_one_line(two_processes):
         assert "replaced after gradrepro.record was attached" in note["sharded_after"]
     assert "not created on rank(s) [1] of 2" in notes[0]["missing_rank"]
     assert notes[1]["missing_rank"] is None
+
+
+def test_shard_summaries_combine_to_the_full_tensors_statistics():
+    """Uneven shards (one empty) of one tensor and a replica held by every process: the
+    combined sums, counts, mean and spread are the full tensor's, the replica counted once."""
+    from gradrepro.probe.shards import FIELDS, combine_rows
+
+    rng = np.random.default_rng(0)
+    full = rng.normal(3.0, 0.01, size=101)  # a large mean over a small spread
+    full[:7] = 0.0
+    parts = np.split(full, [60, 60])  # 60, 0 and 41 entries
+    replica = rng.normal(size=9)
+    every = np.zeros((3, len(FIELDS), 2))
+    f = {name: i for i, name in enumerate(FIELDS)}
+    for rank, part in enumerate(parts):
+        for t, (values, counted) in enumerate(((part, 1.0), (replica, float(rank == 0)))):
+            row = every[rank, :, t]
+            row[f["n"]], row[f["have"]], row[f["counted"]] = len(values), 1.0, counted
+            row[f["g_mean"]] = values.mean() if len(values) else np.nan
+            row[f["g_ssd"]] = ((values - values.mean()) ** 2).sum() if len(values) else 0.0
+            row[f["g_sumsq"]] = row[f["p_sumsq"]] = (values ** 2).sum()
+            row[f["zeros"]] = (values == 0).sum()
+    out = combine_rows(every)
+    for t, values in enumerate((full, replica)):
+        assert out["n"][t] == len(values) and out["zeros"][t] == (values == 0).sum()
+        np.testing.assert_allclose(out["g_sumsq"][t], (values ** 2).sum(), rtol=1e-12)
+        np.testing.assert_allclose(out["g_mean"][t], values.mean(), rtol=1e-12)
+        np.testing.assert_allclose(out["g_ssd"][t], ((values - values.mean()) ** 2).sum(), rtol=1e-9)
