@@ -80,11 +80,15 @@ def _worker(rank: int, port: int, out: str) -> None:
         half = BATCH // WORLD
         data = [(x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half]) for x, y in global_batches()]
         _ddp(data, out)
-        notes["naive_fc1_norm"] = _fsdp(data, out)
+        notes["naive_fc1_norm"], sharded = _fsdp(data, out)
         _plain(data, out)
+        _plain(data, out, "diverged", rank_1_stops_averaging_at=2)
         notes["sharded_after"] = _error(lambda: _sharded_after_attach(data, out))
         notes["missing_rank"] = _error(lambda: _recorder_on_rank0_only(rank, data, out))
         torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        notes["no_group"] = _error(lambda: gradrepro.record(sharded, adam(sharded.parameters()),
+                                                            os.path.join(out, "no_group")))
     except Exception:  # noqa: BLE001 - the test reads what went wrong
         notes["crash"] = traceback.format_exc()
     finally:
@@ -122,19 +126,23 @@ def _fsdp(data, out):
     naive = []  # what logging this process's shard would report (pytorch/pytorch#170862)
     with gradrepro.record(model, opt, os.path.join(out, "fsdp"), every=1):
         train(model, opt, data, lambda: naive.append(float(model.fc1.weight.grad.to_local().norm())))
-    return naive
+    return naive, model
 
 
-def _plain(data, out):
+def _plain(data, out, name="plain", rank_1_stops_averaging_at=None):
     model = mlp()
     opt = adam(model.parameters())
+    rank, steps = torch.distributed.get_rank(), []
 
     def average_grads():
+        steps.append(None)
         for p in model.parameters():
             torch.distributed.all_reduce(p.grad)
+            if rank == 1 and rank_1_stops_averaging_at is not None and len(steps) > rank_1_stops_averaging_at:
+                p.grad.zero_()  # a bug on one process: its replicas go their own way
             p.grad /= WORLD
 
-    with gradrepro.record(model, opt, os.path.join(out, "plain"), every=1, every_rank=True):
+    with gradrepro.record(model, opt, os.path.join(out, name), every=1, every_rank=name == "plain"):
         train(model, opt, data, average_grads)
 
 
@@ -177,7 +185,7 @@ def two_processes(tmp_path_factory):
     ctx = mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False,
                              start_method=method)
     try:
-        deadline = 120  # seconds: the whole run takes a few on two idle cores
+        deadline = 300  # seconds: a hang guard (the run itself needs about 25 s of CPU)
         while not ctx.join(timeout=1):
             deadline -= 1
             assert deadline > 0, "the two processes did not finish"
@@ -244,8 +252,16 @@ def test_rank_zero_writes_and_other_ranks_only_when_asked(two_processes):
     pd.testing.assert_frame_equal(modules[own], zero[own])
 
 
+def test_a_process_whose_replicas_diverge_is_named_in_the_summary(two_processes):
+    out, _ = two_processes
+    summary, _ = read(out / "diverged")
+    assert summary["ranks_disagree"] == {"1": 2}  # the first logged step its gradients differed
+
+
 def test_bad_distributed_setups_are_one_line(two_processes):
     _, notes = two_processes
+    for note in notes:
+        assert "DTensors but no process group is initialised" in note["no_group"]
     for note in notes:
         assert "replaced after gradrepro.record was attached" in note["sharded_after"]
     assert "not created on rank(s) [1] of 2" in notes[0]["missing_rank"]
