@@ -82,8 +82,8 @@ def summarise(every, bare, unlogged, logged):
     for i, clock in enumerate(("wall", "cpu")):
         b = statistics.median(t[i] for t in bare)
         lg = statistics.median(t[i] for t in logged)
-        un = statistics.median(t[i] for t in unlogged) if unlogged else lg
-        row[clock] = {"bare_ms": 1e3 * b, "unlogged": un / b, "logged": lg / b,
+        un = statistics.median(t[i] for t in unlogged) if unlogged else lg  # every=1: no unlogged step
+        row[clock] = {"bare_ms": 1e3 * b, "unlogged": un / b if unlogged else None, "logged": lg / b,
                       "schedule": (lg + (every - 1) * un) / every / b}
     return row
 
@@ -117,7 +117,8 @@ def main() -> None:
     for row in rows:
         for clock in ("wall", "cpu"):
             c = row[clock]
-            print(f"| {row['every']} | {clock} | {c['bare_ms']:.1f} | {c['unlogged']:.3f}x | {c['logged']:.3f}x "
+            unlogged = "-" if c["unlogged"] is None else f"{c['unlogged']:.3f}x"
+            print(f"| {row['every']} | {clock} | {c['bare_ms']:.1f} | {unlogged} | {c['logged']:.3f}x "
                   f"| {c['schedule']:.3f}x |")
 
 
