@@ -47,6 +47,7 @@ from torch import nn
 
 from gradrepro.diagnose.over_steps import findings_over_steps
 from gradrepro.diagnose.report import Finding
+from gradrepro.diagnose.scaled_clip import clipped_while_scaled
 from gradrepro.errors import UserError
 from gradrepro.probe import ranks
 from gradrepro.probe.config import ProbeConfig
@@ -237,13 +238,16 @@ class Recorder:
 
     def findings(self) -> list[Finding]:
         """Per parameter over the logged steps so far: no gradient, zero, tiny, non-finite,
-        not updated (``diagnose.over_steps``); frozen and outside-the-optimizer tensors named."""
+        not updated (``diagnose.over_steps``); frozen and outside-the-optimizer tensors named; a
+        clip applied before a GradScaler's unscale (``diagnose.scaled_clip``)."""
         held = {id(p) for g in self.optimizer.param_groups for p in g["params"]} if self.optimizer else None
         frozen = [n for n, p in zip(self.probe.names, self.probe.params) if not p.requires_grad]
         outside = [n for n, p in zip(self.probe.names, self.probe.params)
                    if p.requires_grad and held is not None and id(p) not in held]
         modules = self.records.modules()
-        return findings_over_steps(modules, frozen, outside) if "grad_state" in modules else []
+        found = findings_over_steps(modules, frozen, outside) if "grad_state" in modules else []
+        clip = clipped_while_scaled(self.records.scalars())  # a clip before the scaler's unscale
+        return ([clip] if clip is not None else []) + found
 
 
 def record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir: str | Path, every: int = 10,

@@ -32,7 +32,7 @@ def batches():
 def run(tmp_path, name, make_opt, set_to_none=True, scaler=None, clip=None, clip_before_unscale=False):
     model = mlp()
     opt = make_opt(model.parameters())
-    with gradrepro.record(model, opt, tmp_path / name, every=1, scaler=scaler):
+    with gradrepro.record(model, opt, tmp_path / name, every=1, scaler=scaler) as rec:
         for x, y in batches():
             opt.zero_grad(set_to_none=set_to_none)
             loss = F.cross_entropy(model(x), y)
@@ -49,7 +49,7 @@ def run(tmp_path, name, make_opt, set_to_none=True, scaler=None, clip=None, clip
             scaler.step(opt)
             scaler.update()
     return (pd.read_parquet(tmp_path / name / "modules.parquet"),
-            pd.read_parquet(tmp_path / name / "scalars.parquet"))
+            pd.read_parquet(tmp_path / name / "scalars.parquet"), {f.kind for f in rec.findings()})
 
 
 def assert_same(a, b):
@@ -63,16 +63,16 @@ def assert_same(a, b):
     lambda **k: (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, **k)),
 ], ids=["adam", "adamw", "sgd"])
 def test_fused_and_foreach_record_the_same(tmp_path, make):
-    fused, _ = run(tmp_path, "fused", make(fused=True))
-    foreach, _ = run(tmp_path, "foreach", make(foreach=True))
+    fused, _, _ = run(tmp_path, "fused", make(fused=True))
+    foreach, _, _ = run(tmp_path, "foreach", make(foreach=True))
     assert (foreach["update_to_param"] > 0).all()
     assert_same(fused, foreach)
 
 
 def test_set_to_none_either_way_records_the_same(tmp_path):
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
-    none, _ = run(tmp_path, "none", sgd, set_to_none=True)
-    zeros, _ = run(tmp_path, "zeros", sgd, set_to_none=False)
+    none, _, _ = run(tmp_path, "none", sgd, set_to_none=True)
+    zeros, _, _ = run(tmp_path, "zeros", sgd, set_to_none=False)
     assert_same(none, zeros)
     np.testing.assert_allclose(zeros["fresh_grad_norm"], none["grad_norm"], rtol=1e-6)
 
@@ -98,14 +98,19 @@ def test_a_parameter_group_added_after_the_recorder_starts_is_updated_from_then_
 
 def test_with_a_grad_scaler_the_record_is_of_the_unscaled_gradients_the_optimizer_uses(tmp_path):
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
-    plain, plain_scalars = run(tmp_path, "plain", sgd)
-    scaler = lambda: torch.amp.GradScaler("cpu", init_scale=2.0**10)  # noqa: E731
-    unclipped, _ = run(tmp_path, "scaled", sgd, scaler=scaler(), clip=1e6)
+    plain, plain_scalars, _ = run(tmp_path, "plain", sgd)
+    # The scale doubles after every step (no step overflows here): a clip before unscaling
+    # is then told apart from one after it (diagnose/scaled_clip.py).
+    scaler = lambda: torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)  # noqa: E731
+    unclipped, _, _ = run(tmp_path, "scaled", sgd, scaler=scaler(), clip=1e6)
     assert_same(unclipped, plain)  # the scale is gone: the same gradients as without a scaler
     clip = 0.05  # below every step's gradient norm (checked below): the clip acts
     assert (plain_scalars["grad_norm"] > clip).all()
-    _, after = run(tmp_path, "after", sgd, scaler=scaler(), clip=clip)
+    _, after, after_found = run(tmp_path, "after", sgd, scaler=scaler(), clip=clip)
     np.testing.assert_allclose(after["grad_norm"], clip, rtol=1e-5)  # what the optimizer used: clipped
-    _, before = run(tmp_path, "before", sgd, scaler=scaler(), clip=clip, clip_before_unscale=True)
+    assert "clipped_while_scaled" not in after_found
+    _, before, before_found = run(tmp_path, "before", sgd, scaler=scaler(), clip=clip, clip_before_unscale=True)
     # Clipped while scaled, then unscaled: the optimizer steps with clip / scale, and so reads the record.
     np.testing.assert_allclose(before["grad_norm"], clip / before["loss_scale"], rtol=1e-5)
+    assert before["loss_scale"].nunique() == STEPS
+    assert "clipped_while_scaled" in before_found  # and it is a finding
