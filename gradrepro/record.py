@@ -91,7 +91,7 @@ class Recorder:
         self.step = 0  # optimizer steps taken so far: the index of the step in progress
         self.status: Optional[str] = None  # set by close()
         self._begun = False
-        self._eager, self._restore = False, None
+        self._eager, self._restore = False, None  # eager logged steps of a compiled model (below)
         self._current: Optional[ProbeStep] = None  # the logged step in progress
         self._scalars: dict[str, Any] = {}  # rec.log() values of the step in progress
         self._open_row: Optional[dict[str, Any]] = None  # the last logged step's row, open to rec.log()
@@ -105,7 +105,6 @@ class Recorder:
             # A compiled model's logged steps run eagerly when asked, so that its activations
             # are recorded (hooks inside a compiled graph are left out: probe.py).
             self._eager = eager_logged_steps and is_compiled(model)
-            self._restore: Optional[Any] = None
             self._handles = [model.register_forward_pre_hook(self._on_forward),
                              model.register_forward_hook(self._after_forward),
                              optimizer.register_step_pre_hook(lambda *_: self.before_step()),
@@ -257,7 +256,8 @@ def record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir
     scale is recorded as ``loss_scale``), ``activations``, ``act_sample``, ``hooks``, ``bf16``
     (count the updates bf16 weights round away: None = when a weight is bf16 or under bf16
     autocast), ``every_rank`` (each process writes ``<run_dir>-rank<r>``), ``timeout`` (seconds
-    the first logged step waits for every process's recorder)."""
+    the first logged step waits for every process's recorder), ``eager_logged_steps`` (a
+    compiled model's logged steps run uncompiled, so that its activations are recorded)."""
     return Recorder(model, optimizer, run_dir, every, **options)
 
 
