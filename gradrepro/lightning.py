@@ -11,8 +11,9 @@ instead: a step begins at ``on_train_batch_start`` (the first micro-batch after 
 gradients are read at ``on_before_optimizer_step`` (after backward, accumulation and AMP
 unscaling), and the step ends at the ``on_train_batch_end`` where ``trainer.global_step`` has
 moved. The loss is the mean of the step's micro-batch losses as ``training_step`` returned
-them (Lightning hands the callback each one divided by ``accumulate_grad_batches``). Only the
-global-zero process records.
+them (Lightning hands the callback each one divided by ``accumulate_grad_batches``). Every process
+records (the statistics of a sharded or replicated tensor are of the full tensor, from every
+process's part); the global-zero process writes the run folder.
 """
 
 from __future__ import annotations
@@ -44,12 +45,13 @@ class Record(Callback):
         self._losses: list[torch.Tensor] = []
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        if not trainer.is_global_zero:
-            return
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        options = dict(self.options)
+        if "bf16" in str(getattr(trainer, "precision", "")):  # bf16-mixed, bf16-true: count what bf16 rounds away
+            options.setdefault("bf16", True)
         self.recorder = Recorder(pl_module, optimizer, self.run_dir, self.every, scaler=scaler, hooks=False,
-                                 **self.options)
+                                 **options)
         self.recorder.step = trainer.global_step  # a resumed fit goes on counting
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:

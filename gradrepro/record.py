@@ -25,6 +25,11 @@ A step the ``GradScaler`` skips (non-finite gradients) calls no ``optimizer.step
 fires and it is not a step of the record. On a step that is not logged the hooks only count.
 Without optimizer hooks (``hooks=False``, or an optimizer that has none) call ``rec.begin()``,
 ``rec.before_step()`` and ``rec.after_step()`` yourself, as the Lightning callback does.
+
+Distributed (DDP, FSDP2's ``fully_shard``, a plain ``torch.distributed`` loop): create the
+recorder on every process, after wrapping or sharding the model. The statistics are of the
+full, synchronised tensors (probe/shards.py: one collective per logged step); rank 0 writes
+the run folder, the others nothing (``every_rank=True``: each its own ``<run_dir>-rank<r>``).
 """
 
 from __future__ import annotations
@@ -42,9 +47,12 @@ from torch import nn
 
 from gradrepro.diagnose.over_steps import findings_over_steps
 from gradrepro.diagnose.report import Finding
+from gradrepro.diagnose.scaled_clip import clipped_while_scaled
 from gradrepro.errors import UserError
+from gradrepro.probe import ranks
 from gradrepro.probe.config import ProbeConfig
 from gradrepro.probe.probe import Probe, ProbeStep, step_norms
+from gradrepro.probe.wrappers import autocast_bf16, has_bf16, is_compiled, run_eagerly, unwrap
 from gradrepro.records.figure import plot_signals
 from gradrepro.records.files import FIGURE, SUMMARY, ensure_writable_dir, write_json
 from gradrepro.records.provenance import versions
@@ -58,19 +66,32 @@ class Recorder:
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir: str | Path,
                  every: int = 10, name: Optional[str] = None, scaler: Any = None, activations: bool = True,
-                 act_sample: int = 8, hooks: bool = True) -> None:
+                 act_sample: int = 8, hooks: bool = True, bf16: Optional[bool] = None,
+                 every_rank: bool = False, timeout: float = ranks.HANDSHAKE_SECONDS,
+                 eager_logged_steps: bool = False) -> None:
         _check(model, optimizer, every)
         self.model, self.optimizer, self.scaler, self.every = model, optimizer, scaler, every
         self.run_dir = Path(run_dir)
-        ensure_writable_dir(self.run_dir)  # an unwritable folder is one line, before any step
+        group = ranks.process_group()
+        self.rank = group[0] if group else 0
+        if self.rank > 0 and every_rank:
+            self.run_dir = self.run_dir.with_name(f"{self.run_dir.name}-rank{self.rank}")
+        self._writes = self.rank == 0 or every_rank  # rank 0 writes the run folder
+        if self._writes:
+            ensure_writable_dir(self.run_dir)  # an unwritable folder is one line, before any step
         self.name = name or self.run_dir.resolve().name
         weight_decay = float(optimizer.param_groups[0].get("weight_decay", 0.0)) if optimizer else 0.0
         cfg = ProbeConfig(every=every, activations=activations, act_sample=act_sample, task_contribution=False)
-        self.probe = Probe(model, cfg, total_steps=None, weight_decay=weight_decay)
+        self.net = unwrap(model)  # DDP's and torch.compile's wrappers: the names of the model itself
+        self.probe = Probe(self.net, cfg, total_steps=None, weight_decay=weight_decay)
+        self.combiner = ranks.attach(self.probe, timeout)
+        # bf16 rounding: always, never, or (None) when a weight is bf16 or bf16 autocast is on.
+        self._bf16, self._bf16_weights = bf16, has_bf16(self.probe.params)
         self.records = Records(self.run_dir)
         self.step = 0  # optimizer steps taken so far: the index of the step in progress
         self.status: Optional[str] = None  # set by close()
         self._begun = False
+        self._eager, self._restore = False, None  # eager logged steps of a compiled model (below)
         self._current: Optional[ProbeStep] = None  # the logged step in progress
         self._scalars: dict[str, Any] = {}  # rec.log() values of the step in progress
         self._open_row: Optional[dict[str, Any]] = None  # the last logged step's row, open to rec.log()
@@ -81,7 +102,11 @@ class Recorder:
                 raise UserError(f"{type(optimizer).__name__} has no step hooks (torch.optim.Optimizer, torch >= 2.0): "
                                 "pass hooks=False and call rec.begin(), rec.before_step() and rec.after_step() "
                                 "around each optimizer step")
+            # A compiled model's logged steps run eagerly when asked, so that its activations
+            # are recorded (hooks inside a compiled graph are left out: probe.py).
+            self._eager = eager_logged_steps and is_compiled(model)
             self._handles = [model.register_forward_pre_hook(self._on_forward),
+                             model.register_forward_hook(self._after_forward),
                              optimizer.register_step_pre_hook(lambda *_: self.before_step()),
                              optimizer.register_step_post_hook(lambda *_: self.after_step())]
         self._write_summary("running")
@@ -90,6 +115,15 @@ class Recorder:
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         if not self._begun and torch.is_grad_enabled():
             self.begin()
+            if self._current is not None and self._bf16 is None and autocast_bf16(self.probe.params[0]):
+                self.probe.bf16 = True
+            if self._current is not None and self._eager:
+                self._restore = run_eagerly()
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._restore is not None:
+            self._restore, restore = None, self._restore
+            restore()
 
     def begin(self) -> None:
         """A step begins (before its first forward pass). The last logged step's row closes."""
@@ -98,6 +132,7 @@ class Recorder:
         self._close_row()
         self._begun = True
         if self.probe.logs(self.step):
+            self.probe.bf16 = bool(self._bf16 if self._bf16 is not None else self._bf16_weights)
             lr = float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else math.nan
             scale = float(self.scaler.get_scale()) if self.scaler is not None else 1.0
             self._current = self.probe.step(self.step, lr=lr, loss_scale=scale)
@@ -107,6 +142,7 @@ class Recorder:
         """The gradients are complete (after backward, unscaling and accumulation)."""
         self.begin()  # a step whose forward pass no hook saw
         if self._current is not None:
+            _check_same_params(self.net, self.probe.params)
             self._current.collect()
 
     def after_step(self) -> None:
@@ -144,6 +180,9 @@ class Recorder:
     def flush(self) -> None:
         """Write the records so far and the summary (atomically); a failing disk warns, the
         records stay in memory for the next write."""
+        if not self._writes:
+            self._last_flush = time.monotonic()
+            return
         try:
             self.records.flush()
             self._write_summary(self.status or "running")
@@ -152,11 +191,15 @@ class Recorder:
         self._last_flush = time.monotonic()
 
     def _write_summary(self, status: str, error: Optional[BaseException] = None) -> None:
+        if not self._writes:
+            return
         param = next(self.model.parameters(), None)
         summary = {"experiment": self.name, "control": None, "status": status, "steps": self.step,
                    "wall_s": round(time.perf_counter() - self._start, 3), "seed": None, "overrides": [],
                    "constants": {}, "recorded_by": "gradrepro.record", "every": self.every,
                    "versions": self._versions, "device": str(param.device) if param is not None else None}
+        if self.combiner is not None:  # the processes: how many, which diverged or went non-finite
+            summary.update(self.combiner.summary(), rank=self.rank)
         if error is not None:
             summary["error"] = f"{type(error).__name__}: {error}"
         write_json(self.run_dir / SUMMARY, summary)
@@ -168,11 +211,14 @@ class Recorder:
             return
         for handle in self._handles:
             handle.remove()
+        self._after_forward(self.model, (), None)  # a forward that raised leaves nothing set
         if self._current is not None:
             self._current.__exit__(RuntimeError, None, None)  # disarms, records nothing
             self._current = None
         self._close_row()
         self.status = status
+        if not self._writes:
+            return
         self.records.flush()
         self._write_summary(status, error)
         try:
@@ -191,20 +237,27 @@ class Recorder:
 
     def findings(self) -> list[Finding]:
         """Per parameter over the logged steps so far: no gradient, zero, tiny, non-finite,
-        not updated (``diagnose.over_steps``); frozen and outside-the-optimizer tensors named."""
+        not updated (``diagnose.over_steps``); frozen and outside-the-optimizer tensors named; a
+        clip applied before a GradScaler's unscale (``diagnose.scaled_clip``)."""
         held = {id(p) for g in self.optimizer.param_groups for p in g["params"]} if self.optimizer else None
         frozen = [n for n, p in zip(self.probe.names, self.probe.params) if not p.requires_grad]
         outside = [n for n, p in zip(self.probe.names, self.probe.params)
                    if p.requires_grad and held is not None and id(p) not in held]
         modules = self.records.modules()
-        return findings_over_steps(modules, frozen, outside) if "grad_state" in modules else []
+        found = findings_over_steps(modules, frozen, outside) if "grad_state" in modules else []
+        clip = clipped_while_scaled(self.records.scalars())  # a clip before the scaler's unscale
+        return ([clip] if clip is not None else []) + found
 
 
 def record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir: str | Path, every: int = 10,
            **options: Any) -> Recorder:
     """Record ``model``'s gradient signals in your own loop into ``run_dir`` (module docstring).
     ``options``: ``name`` (the run's name, default the folder's), ``scaler`` (a GradScaler: its
-    scale is recorded as ``loss_scale``), ``activations``, ``act_sample``, ``hooks``."""
+    scale is recorded as ``loss_scale``), ``activations``, ``act_sample``, ``hooks``, ``bf16``
+    (count the updates bf16 weights round away: None = when a weight is bf16 or under bf16
+    autocast), ``every_rank`` (each process writes ``<run_dir>-rank<r>``), ``timeout`` (seconds
+    the first logged step waits for every process's recorder), ``eager_logged_steps`` (a
+    compiled model's logged steps run uncompiled, so that its activations are recorded)."""
     return Recorder(model, optimizer, run_dir, every, **options)
 
 
@@ -217,6 +270,16 @@ def _check(model: Any, optimizer: Any, every: Any) -> None:
         raise UserError(f"every={every!r} must be a whole number of steps >= 1")
     if not any(True for _ in model.parameters()):
         raise UserError(f"{type(model).__name__} has no registered parameters: nothing to record")
+
+
+def _check_same_params(net: nn.Module, held: list) -> None:
+    """The parameters the probe holds are still the model's: ``fully_shard`` (and
+    ``load_state_dict(assign=True)``) replace them, and the probe would read stale tensors."""
+    current = list(net.parameters())  # deduplicated, in the probe's order
+    if len(current) != len(held) or any(a is not b for a, b in zip(current, held)):
+        raise UserError("the model's parameters were replaced after gradrepro.record was attached "
+                        "(sharded with fully_shard, or loaded with assign=True): create the recorder "
+                        "after sharding and loading")
 
 
 def _number(value: Any) -> float:

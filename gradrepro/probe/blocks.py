@@ -131,6 +131,36 @@ def squares(grid: torch.Tensor, stats: Stats, prefix: str, work: torch.Tensor) -
     torch.linalg.vector_norm(work, dim=1, out=stats.row[prefix + "lo"])
 
 
+# bf16 keeps 8 significant bits: half a unit in the last place of w is 2^(floor(log2|w|) - 8).
+_BF16_HALF_ULP = 2.0**-8
+# 2^floor(log2|w|) is w's exponent bits alone (0 for 0 and subnormals): IEEE 754 layouts.
+_EXPONENT_BITS = {torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
+
+
+def bf16_lost_(update: Buffer, work: Buffer, grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+               have: Sequence[int], out: torch.Tensor) -> None:
+    """Per block into ``out``: the entries whose gradient is not zero and whose update (in
+    ``update``: before - after) is smaller than half a bf16 unit in the last place of the
+    weight after the step (bf16 weights keep such an update as zero; where it was applied
+    the weight is unchanged, so after is before). A fixed number of passes plus two
+    multi-tensor copies; leaves both buffers zero, pads included."""
+    flat, w = update.flat, work.flat
+    bits, mask = _EXPONENT_BITS[w.dtype]
+    huge = torch.finfo(w.dtype).max / 2  # above every threshold: an entry without gradient never counts
+    w.zero_()
+    if have:
+        torch._foreach_copy_([work.views[i] for i in have], list(grads))
+    w.eq_(0).mul_(huge)
+    flat.abs_().add_(w)  # |u|, or huge where the gradient is zero (pads included)
+    torch._foreach_copy_(list(work.views), list(params))
+    w_bits = w.view(bits)
+    torch.bitwise_and(w_bits, mask, out=w_bits)  # 2^floor(log2|w|); pads keep huge's
+    w.mul_(_BF16_HALF_ULP).sub_(flat).clamp_(min=0).sign_()  # 1 where |u| < half an ulp
+    torch.sum(work.grid, 1, out=out)
+    w.zero_()
+    flat.zero_()
+
+
 def level_sums_(grid: torch.Tensor, stats: Stats, prefix: str, nan: bool = True) -> None:
     """Per block, the sum and the norm of the levels of ``|grid|`` (``kernels.levels_``, in
     place: ``grid`` must already hold absolute values) into ``prefix + LEVEL_ROWS``."""

@@ -16,23 +16,45 @@ from gradrepro.probe.states import FP16_FLUSH, grad_states
 
 
 def gradient_columns(probe: Any, step: int, host: Dict[str, np.ndarray], pending: dict) -> Dict[str, np.ndarray]:
-    n, numel, layout = len(probe.params), probe.numel, probe.layout
+    stats = local_gradient_stats(probe, host, pending)
+    if probe.combiner is not None:  # the full tensors' statistics, from every process's part
+        stats = probe.combiner.combine(step, stats, probe.counted, probe.plain, probe.collective_device)
+    return _columns(probe, step, stats, host)
+
+
+def local_gradient_stats(probe: Any, host: Dict[str, np.ndarray], pending: dict) -> Dict[str, np.ndarray]:
+    """Per tensor, what this process holds of it (``shards.FIELDS``): its entries, the
+    gradient's mean, spread and sums of squares, its counts; zeros where it has no gradient."""
+    n, layout = len(probe.params), probe.layout
     rows = dict(zip(probe.stats.names, host["params"]))
     have_idx = np.asarray(pending["have"], dtype=np.int64)
     have = np.zeros(n, dtype=bool)
     have[have_idx] = True
-    _, ssd, sumsq = segment_moments(layout, rows, "g_")
+    numel = layout.numel.astype(np.float64)
+    mean, ssd, sumsq = segment_moments(layout, rows, "g_")
     zeros, small = segment_counts(layout, rows, "g_")
-    g_norm = np.where(have, np.sqrt(sumsq), np.nan)
-    g_std = np.where(have & np.isfinite(g_norm), std_from_ssd(ssd, numel), np.nan)
-    fresh_norm = np.sqrt(segment_squares(layout, rows, "f_")) if pending["carried"] else g_norm
-    fresh_norm = np.where(have, fresh_norm, np.nan)
-    p_norm = np.sqrt(segment_squares(layout, rows, "p_"))
-    u_norm = np.sqrt(segment_squares(layout, rows, "u_"))
+    fresh = segment_squares(layout, rows, "f_") if pending["carried"] else sumsq
     nonzero = np.where(have, numel - zeros, 0.0)
     small = np.where(have, small, 0.0)
     nonfinite = np.zeros(n)
-    _recount_nonfinite(have_idx, g_norm, pending["grads"], nonfinite, nonzero, small)
+    _recount_nonfinite(have_idx, np.sqrt(sumsq), pending["grads"], nonfinite, nonzero, small)
+    lost = layout.segment_sum(rows["b_lost"]) if "b_lost" in rows and probe.bf16 else np.full(n, np.nan)
+    keep = lambda v: np.where(have, v, 0.0)  # noqa: E731 - a stale buffer's values never count
+    return {"n": numel, "have": have.astype(np.float64), "g_mean": keep(mean), "g_ssd": keep(ssd),
+            "g_sumsq": keep(sumsq), "f_sumsq": keep(fresh), "p_sumsq": segment_squares(layout, rows, "p_"),
+            "u_sumsq": segment_squares(layout, rows, "u_"), "zeros": numel - nonzero, "small": small,
+            "nonfinite": nonfinite, "bf16_lost": keep(lost)}
+
+
+def _columns(probe: Any, step: int, stats: Dict[str, np.ndarray], host: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    n, numel = len(probe.params), stats["n"]
+    have = stats["have"] > 0
+    g_norm = np.where(have, np.sqrt(stats["g_sumsq"]), np.nan)
+    g_std = np.where(have & np.isfinite(g_norm), std_from_ssd(stats["g_ssd"], numel), np.nan)
+    fresh_norm = np.where(have, np.sqrt(stats["f_sumsq"]), np.nan)
+    p_norm, u_norm = np.sqrt(stats["p_sumsq"]), np.sqrt(stats["u_sumsq"])
+    nonzero = np.where(have, numel - stats["zeros"], 0.0)
+    small, nonfinite = stats["small"], stats["nonfinite"]
     safe_numel = np.maximum(numel, 1)
     with np.errstate(divide="ignore", invalid="ignore"):
         # A zero-initialised tensor (a bias, BN's beta) has no meaningful ratio: NaN.
@@ -41,6 +63,8 @@ def gradient_columns(probe: Any, step: int, host: Dict[str, np.ndarray], pending
         u_to_p = u_norm / safe_p
         g_to_decay = g_to_p / probe.weight_decay if probe.weight_decay > 0 else np.full(n, np.nan)
         flush = np.where(nonzero > 0, (small - (numel - nonzero)) / nonzero, np.nan)
+        # Of the entries the gradient reached, those whose update bf16 weights round away.
+        bf16 = np.where(have & (nonzero > 0), stats["bf16_lost"] / nonzero, np.nan)
     resid = host.get("residuals", np.full((2, n), np.nan))
     return {
         "step": np.full(n, step, dtype=np.int64),
@@ -67,6 +91,7 @@ def gradient_columns(probe: Any, step: int, host: Dict[str, np.ndarray], pending
         "frac_zero": np.where(have, (numel - nonzero) / safe_numel, np.nan),
         "frac_nonfinite": np.where(have, nonfinite / safe_numel, np.nan),
         "frac_fp16_underflow": flush,
+        "frac_bf16_update_lost": bf16,
     }
 
 

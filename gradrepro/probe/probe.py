@@ -36,6 +36,7 @@ from gradrepro.probe.blocks import (
     Buffer,
     Layout,
     Stats,
+    bf16_lost_,
     level_sums_,
     moments_,
     squares,
@@ -43,6 +44,7 @@ from gradrepro.probe.blocks import (
 from gradrepro.probe.columns import activation_columns, gradient_columns
 from gradrepro.probe.extras import contribution_norms, optional_parts, step_residuals
 from gradrepro.probe.kernels import log2_histogram, per_example_stats, to_host
+from gradrepro.probe.shards import local, sharded_setup
 from gradrepro.probe.stash import Stash
 from gradrepro.probe.states import module_kind
 from gradrepro.probe.step import ProbeStep
@@ -50,7 +52,7 @@ from gradrepro.probe.step import ProbeStep
 # Per block of the parameter layout: the gradient's moments and levels, this step's own
 # gradient (when .grad carried a sum in), the parameters before the step and the update.
 PARAM_ROWS = (tuple("g_" + r for r in MOMENT_ROWS + LEVEL_ROWS)
-              + tuple(p + r for p in ("f_", "p_", "u_") for r in SQUARE_ROWS))
+              + tuple(p + r for p in ("f_", "p_", "u_") for r in SQUARE_ROWS) + ("b_lost",))
 
 
 class Probe:
@@ -83,9 +85,24 @@ class Probe:
                 self.param_of.append(p_name)
                 self.kind_of.append(module_kind(module))
         # A complex tensor is summarised as its real and imaginary parts (twice the entries).
+        # A DTensor (FSDP2) as the shard this process holds: the buffers take the local
+        # shapes, the columns the full tensor's entries (probe/shards.py combines the parts).
         self.shapes = [_real(p).shape for p in self.params]
-        self.numel = np.array([math.prod(s) for s in self.shapes], dtype=np.float64)
+        self.numel = np.array([math.prod(p.shape) * (2 if p.is_complex() else 1) for p in self.params],
+                              dtype=np.float64)
+        self.local_numel = [math.prod(s) for s in self.shapes]
         self._complex = any(p.is_complex() for p in self.params)
+        self._sharded = sharded_setup(self.params) is not None
+        # Set by the recorder when the process group has more than one process: the one
+        # collective of a logged step (shards.Combiner), and per tensor whether this
+        # process's part counts toward the full tensor and whether it is a plain replica.
+        self.combiner = None
+        self.counted: Optional[np.ndarray] = None
+        self.plain: Optional[np.ndarray] = None
+        self.collective_device = torch.device("cpu")
+        # Per module, the updates bf16 weights round away (frac_bf16_update_lost): measured
+        # when the recorder sees bf16 weights or bf16 autocast; two buffer passes more.
+        self.bf16 = False
         # Gradients, parameters before the step (then the update) and what .grad carried in,
         # each one block buffer of the same layout (made at the first logged step).
         self.layout: Optional[Layout] = None
@@ -98,6 +115,7 @@ class Probe:
         self.acts = Stash(MOMENT_ROWS)  # module outputs, first call of the step
         self.act_grads = Stash(MOMENT_ROWS + LEVEL_ROWS)  # gradients at module outputs
         self._handles: list = []
+        self._hook_fns: Dict[str, object] = {}
         self._act_grad_hist: Dict[str, torch.Tensor] = {}
         self._contrib: Dict[str, tuple] = {}  # term -> (tensors it reaches, their norm rows)
         self._pending: Optional[dict] = None
@@ -128,8 +146,12 @@ class Probe:
         for stats in (self._act_grad_hist, self._contrib, self._inputs, self._per_example):
             stats.clear()
         if hooks and self.cfg.activations:
+            # The same hook functions on every logged step: torch.compile guards on a module's
+            # hooks, so new ones would compile the model anew each logged step.
+            if not self._hook_fns:
+                self._hook_fns = {name: self._forward_hook(name) for name in self.hooked}
             for name, module in self.hooked.items():
-                self._handles.append(module.register_forward_hook(self._forward_hook(name)))
+                self._handles.append(module.register_forward_hook(self._hook_fns[name]))
         carried = [i for i, p in enumerate(self.params) if p.grad is not None]
         self._carrying = bool(carried)
         if carried:
@@ -151,6 +173,10 @@ class Probe:
         n = self.cfg.act_sample
 
         def hook(module, inputs, output):
+            # Inside a compiled graph torch.compile would trace the hook's bookkeeping (and break
+            # the graph at the tensor hook below): a compiled module's activations are left out.
+            if _compiling():
+                return
             out = output[0] if isinstance(output, (tuple, list)) else output
             # A module called twice in one step (SimSiam's two views) is recorded once: the first call.
             if (name in self.acts or not torch.is_tensor(out) or not out.is_floating_point()
@@ -198,7 +224,7 @@ class Probe:
         if self.layout is not None and self.layout.device == device and self._grads.flat.dtype == dtype:
             return
         shapes = self.shapes
-        self.layout = Layout([int(n) for n in self.numel], device)
+        self.layout = Layout(self.local_numel, device)
         self._grads = self.layout.buffer(shapes, dtype)
         self._before = self.layout.buffer(shapes, dtype)
         self._carried = None
@@ -234,7 +260,7 @@ class Probe:
                          "fresh": fresh if self._summing else None}
 
     def _real_params(self) -> List[torch.Tensor]:
-        return [_real(p) for p in self.params] if self._complex else self.params
+        return [_real(p) for p in self.params] if self._complex or self._sharded else self.params
 
     def _reduce_stashes(self) -> None:
         """The hooks' samples, each stash in a fixed number of operations: moments of the
@@ -263,7 +289,8 @@ class Probe:
         pending = self._pending
         self._pending = None
         with torch.no_grad():
-            torch._foreach_sub_(self._before.views, self._real_params())  # before - after
+            params = self._real_params()
+            torch._foreach_sub_(self._before.views, params)  # before - after
             squares(self._before.grid, self.stats, "u_", work=self._grads.grid)
             parts = {"params": self.stats.data}
             if self.acts.seen:
@@ -275,17 +302,26 @@ class Probe:
                     self._before.views, pending["have"], pending["fresh"], self._running, self.lr)
             parts.update(optional_parts(self.module_of, self._per_example, self._act_grad_hist,
                                         self._contrib))
+            if self.bf16:  # last: it spends the update buffer
+                bf16_lost_(self._before, self._grads, pending["grads"], params, pending["have"],
+                           self.stats.row["b_lost"])
             host = to_host(parts)  # the one transfer
         columns = gradient_columns(self, step, host, pending)
         columns.update(activation_columns(self, host))
         return columns
 
 
+def _compiling() -> bool:
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)  # torch >= 2.3
+    return bool(is_compiling()) if is_compiling is not None else False
+
+
 def _real(t: torch.Tensor) -> torch.Tensor:
-    """What the probe summarises of a tensor: a sparse gradient (``nn.Embedding(sparse=True)``)
+    """What the probe summarises of a tensor: a DTensor's local shard, a sparse gradient (``nn.Embedding(sparse=True)``)
     as the dense tensor it stands for, a complex one as its real and imaginary parts (a view:
     the same norm, the update's norm included; zeros counted per part). Called under no_grad:
     no detach (it would be one more operation per tensor on every logged step)."""
+    t = local(t)
     if t.is_sparse:
         t = t.to_dense()
     return torch.view_as_real(t) if t.is_complex() else t
