@@ -40,6 +40,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from gradrepro.diagnose.live import LiveChecks
 from gradrepro.diagnose.over_steps import findings_over_steps
 from gradrepro.diagnose.report import Finding
 from gradrepro.errors import UserError
@@ -58,7 +59,8 @@ class Recorder:
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir: str | Path,
                  every: int = 10, name: Optional[str] = None, scaler: Any = None, activations: bool = True,
-                 act_sample: int = 8, hooks: bool = True) -> None:
+                 act_sample: int = 8, hooks: bool = True, live: bool = True, on_finding: str = "warn",
+                 silence: Any = ()) -> None:
         _check(model, optimizer, every)
         self.model, self.optimizer, self.scaler, self.every = model, optimizer, scaler, every
         self.run_dir = Path(run_dir)
@@ -68,6 +70,8 @@ class Recorder:
         cfg = ProbeConfig(every=every, activations=activations, act_sample=act_sample, task_contribution=False)
         self.probe = Probe(model, cfg, total_steps=None, weight_decay=weight_decay)
         self.records = Records(self.run_dir)
+        # findings reported at the logged step they appear (diagnose.live)
+        self.live = LiveChecks(model, optimizer, self.probe, scaler, self.run_dir, on_finding, silence) if live else None
         self.step = 0  # optimizer steps taken so far: the index of the step in progress
         self.status: Optional[str] = None  # set by close()
         self._begun = False
@@ -94,6 +98,8 @@ class Recorder:
     def begin(self) -> None:
         """A step begins (before its first forward pass). The last logged step's row closes."""
         if self._begun:
+            if self._current is not None and self.live is not None:
+                self.live.step_retried(self.step)  # a skipped step's retry, or the next micro-batch
             return
         self._close_row()
         self._begun = True
@@ -102,11 +108,15 @@ class Recorder:
             scale = float(self.scaler.get_scale()) if self.scaler is not None else 1.0
             self._current = self.probe.step(self.step, lr=lr, loss_scale=scale)
             self._current.__enter__()
+            if self.live is not None:
+                self.live.begin(self.step)
 
     def before_step(self) -> None:
         """The gradients are complete (after backward, unscaling and accumulation)."""
         self.begin()  # a step whose forward pass no hook saw
         if self._current is not None:
+            if self.live is not None:
+                self.live.before_step()
             self._current.collect()
 
     def after_step(self) -> None:
@@ -125,6 +135,8 @@ class Recorder:
         self._begun = False
         if current is not None and (self._last_flush is None or time.monotonic() - self._last_flush > flush_seconds()):
             self.flush()
+        if current is not None and self.live is not None:
+            self.live.after_step(self.step - 1, current.columns)  # last: it may raise (on_finding="raise")
 
     def log(self, **scalars: Any) -> None:
         """Scalars of the step in progress, or, after ``optimizer.step()``, of the step just
@@ -168,6 +180,8 @@ class Recorder:
             return
         for handle in self._handles:
             handle.remove()
+        if self.live is not None:
+            self.live.disarm()
         if self._current is not None:
             self._current.__exit__(RuntimeError, None, None)  # disarms, records nothing
             self._current = None
@@ -197,14 +211,19 @@ class Recorder:
         outside = [n for n, p in zip(self.probe.names, self.probe.params)
                    if p.requires_grad and held is not None and id(p) not in held]
         modules = self.records.modules()
-        return findings_over_steps(modules, frozen, outside) if "grad_state" in modules else []
+        found = list(self.live.found) if self.live is not None else []  # as they appeared (diagnose.live)
+        seen = {(f.kind, f.name) for f in found}
+        over = findings_over_steps(modules, frozen, outside) if "grad_state" in modules else []
+        return found + [f for f in over if (f.kind, f.name) not in seen]
 
 
 def record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir: str | Path, every: int = 10,
            **options: Any) -> Recorder:
     """Record ``model``'s gradient signals in your own loop into ``run_dir`` (module docstring).
     ``options``: ``name`` (the run's name, default the folder's), ``scaler`` (a GradScaler: its
-    scale is recorded as ``loss_scale``), ``activations``, ``act_sample``, ``hooks``."""
+    scale is recorded as ``loss_scale``), ``activations``, ``act_sample``, ``hooks``; ``live``
+    (check findings on every logged step, default True), ``on_finding`` ("warn", "raise" or
+    "log") and ``silence`` (kinds not reported): see ``gradrepro.diagnose.live``."""
     return Recorder(model, optimizer, run_dir, every, **options)
 
 
