@@ -71,7 +71,8 @@ class Recorder:
         self.probe = Probe(model, cfg, total_steps=None, weight_decay=weight_decay)
         self.records = Records(self.run_dir)
         # findings reported at the logged step they appear (diagnose.live)
-        self.live = LiveChecks(model, optimizer, self.probe, scaler, self.run_dir, on_finding, silence) if live else None
+        self.live = (LiveChecks(model, optimizer, self.probe, scaler, self.run_dir, on_finding, silence)
+                     if live else None)
         self.step = 0  # optimizer steps taken so far: the index of the step in progress
         self.status: Optional[str] = None  # set by close()
         self._begun = False

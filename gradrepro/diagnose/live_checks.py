@@ -80,11 +80,12 @@ def drift_hits(watched: list[tuple[str, nn.Module]], before: list[torch.Tensor])
     if not watched:
         return []
     with torch.no_grad():
-        moved = torch.stack([torch.linalg.vector_norm((m.running_mean - b).float()) for (_, m), b in zip(watched, before)])
+        moved = torch.stack([torch.linalg.vector_norm((m.running_mean - b).float())
+                             for (_, m), b in zip(watched, before)])
         scale = torch.stack([torch.linalg.vector_norm(b.float()) for b in before])
         moved, scale = moved.cpu().numpy(), scale.cpu().numpy()
     hits = []
-    for (name, m), d, s in zip(watched, moved, scale):
+    for (name, _), d, s in zip(watched, moved, scale):
         if d > 0:
             hits.append(("frozen_norm_drift", name, (
                 f"weight and bias are frozen (requires_grad=False) but the layer is in train mode: its "
@@ -165,7 +166,8 @@ def column_hits(step: int, names: list[str], params: list[torch.Tensor], columns
                              f"param group's learning rate is 0 at step {step}", {"lr": lr, "grad_to_param": ratio}))
             else:
                 hits.append(("not_updated", names[i], f"a finite gradient (grad/param {ratio:.3g}), held by the "
-                             f"optimizer with lr {lr:g}, and no change at step {step}", {"lr": lr, "grad_to_param": ratio}))
+                             f"optimizer with lr {lr:g}, and no change at step {step}",
+                             {"lr": lr, "grad_to_param": ratio}))
     return hits
 
 
