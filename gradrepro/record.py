@@ -93,8 +93,8 @@ class Recorder:
 
     # -- the step protocol: called by the hooks, or by you with hooks=False ------------------
     def _on_forward(self, module: nn.Module, args: Any) -> None:
-        if not self._begun and torch.is_grad_enabled():
-            self.begin()
+        if torch.is_grad_enabled():
+            self.begin()  # while a step is in progress: only the live loss-scale check
 
     def begin(self) -> None:
         """A step begins (before its first forward pass). The last logged step's row closes."""

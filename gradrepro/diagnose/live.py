@@ -103,6 +103,7 @@ class LiveChecks:
         self._start: Optional[tuple] = None  # (indices, carried norms, differences) at the last backward's start
         self._end: Optional[tuple] = None  # (indices, norms) when the last backward ended
         self._scale: Optional[float] = None
+        self._in_backward = False
 
     # -- the step protocol ------------------------------------------------------------------
     def begin(self, step: int) -> None:
@@ -153,22 +154,27 @@ class LiveChecks:
             first.register_hook(self._backward_begins)
 
     def _backward_begins(self, grad: torch.Tensor) -> None:
-        """The gradient reached the model's output: .grad holds what earlier backward passes left."""
-        probe = self.probe
-        if probe._carrying and probe._carried is not None:
-            idx = [i for i, p in enumerate(probe.params) if p.grad is not None]
+        """The gradient reached the model's output (first of its outputs in this backward):
+        .grad holds what earlier backward passes left."""
+        if self._in_backward:
+            return None
+        probe, self._start = self.probe, None
+        idx = [i for i, p in enumerate(probe.params) if p.grad is not None]
+        if idx and probe._carrying and probe._carried is not None:
             with torch.no_grad():
-                now = [p_grad(probe.params[i]) for i in idx]
                 carried = [probe._carried.views[i] for i in idx]
-                diff = torch._foreach_sub([n.to(c.dtype) for n, c in zip(now, carried)], carried) if idx else []
+                now = [p_grad(probe.params[i]).to(c.dtype) for i, c in zip(idx, carried)]
+                diff = torch._foreach_sub(now, carried)
                 self._start = (idx, list(torch._foreach_norm(carried)), list(torch._foreach_norm(diff)))
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+            self._in_backward = True
         except (AttributeError, RuntimeError):  # no engine callback: the edit check is skipped
             pass
         return None
 
     def _backward_ends(self) -> None:
+        self._in_backward = False
         idx = [i for i, p in enumerate(self.probe.params) if p.grad is not None]
         with torch.no_grad():
             self._end = (idx, list(torch._foreach_norm([p_grad(self.probe.params[i]) for i in idx]))) if idx else None
