@@ -10,9 +10,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from harness import STEPS, SmallCNN, batch, images, mlp, sgd_steps
+from torch import nn
 
 # The cause a report established -> the finding kind that names it.
 CAUSES = {
@@ -208,7 +207,7 @@ def epoch_scheduler_stepped_per_batch(buggy, record):
     epochs, batches = 10, 4
     sched = torch.optim.lr_scheduler.PolynomialLR(opt, total_iters=epochs, power=1.0)
     record(model, opt)
-    for epoch in range(epochs):
+    for _epoch in range(epochs):
         for _ in range(batches):
             x, y = batch()
             opt.zero_grad()

@@ -10,10 +10,9 @@ import tempfile
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch import nn
-
 from cases import LoRALinear
 from harness import STEPS, Recording, batch, mlp
+from torch import nn
 
 HEALTHY: dict[str, object] = {}
 

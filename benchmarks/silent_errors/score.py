@@ -104,9 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     for c in cases:
         print(f"{c['case']:42s} {c['cause']:20s} bug@{c['bug_step']:<3} found@{c['detected_at']!s:5s} "
               f"in_time={c['in_time']!s:5s} cause_named={c['cause_named']!s:5s} {','.join(c['kinds'])}"
-              + (f"  FIXED: {c['fixed_findings']}" if c["fixed_findings"] else "") + (f"  ERROR {c['error']}" if c["error"] else ""))
+              + (f"  FIXED: {c['fixed_findings']}" if c["fixed_findings"] else "")
+              + (f"  ERROR {c['error']}" if c["error"] else ""))
     for m in models:
-        print(f"healthy {m['model']:30s} findings={len(m['findings'])}" + (f"  ERROR {m['error']}" if m["error"] else ""))
+        print(f"healthy {m['model']:30s} findings={len(m['findings'])}"
+              + (f"  ERROR {m['error']}" if m["error"] else ""))
         for f in m["findings"]:
             print("   ", f.splitlines()[0])
     n = len(cases)
