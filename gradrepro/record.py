@@ -206,16 +206,17 @@ class Recorder:
 
     def findings(self) -> list[Finding]:
         """Per parameter over the logged steps so far: no gradient, zero, tiny, non-finite,
-        not updated (``diagnose.over_steps``); frozen and outside-the-optimizer tensors named."""
+        not updated (``diagnose.over_steps``); frozen and outside-the-optimizer tensors named;
+        then the live findings (``diagnose.live``) of other kinds or tensors, each with its step."""
         held = {id(p) for g in self.optimizer.param_groups for p in g["params"]} if self.optimizer else None
         frozen = [n for n, p in zip(self.probe.names, self.probe.params) if not p.requires_grad]
         outside = [n for n, p in zip(self.probe.names, self.probe.params)
                    if p.requires_grad and held is not None and id(p) not in held]
         modules = self.records.modules()
-        found = list(self.live.found) if self.live is not None else []  # as they appeared (diagnose.live)
-        seen = {(f.kind, f.name) for f in found}
         over = findings_over_steps(modules, frozen, outside) if "grad_state" in modules else []
-        return found + [f for f in over if (f.kind, f.name) not in seen]
+        seen = {(f.kind, f.name) for f in over}  # summarised over the steps: they stand for the live ones
+        live = self.live.found if self.live is not None else []
+        return over + [f for f in live if (f.kind, f.name) not in seen]
 
 
 def record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir: str | Path, every: int = 10,
