@@ -12,9 +12,9 @@ the ``gradrepro.diagnose.live`` logger instead), to ``findings.json`` in the run
 Cost: nothing on a step that is not logged. On a logged step, besides the probe's own work:
 identity sets of the optimizer's and the model's tensors, one pass over the mode-sensitive
 modules, a copy of each frozen BatchNorm's running mean, a forward hook on the model and a
-gradient hook on its output, where one multi-tensor norm of the gradients is taken when
-backward begins and one when it ends (``queue_callback`` of the autograd engine), and two
-transfers to the host.
+gradient hook on its output, where a few multi-tensor operations (a difference and norms)
+read the gradients when backward begins and one multi-tensor norm when it ends
+(``queue_callback`` of the autograd engine), and two transfers to the host.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class LiveChecks:
     # -- the step protocol ------------------------------------------------------------------
     def begin(self, step: int) -> None:
         """A logged step begins (before its first forward pass)."""
-        self._hits, self._start, self._end = [], None, None
+        self._hits, self._start, self._end, self._in_backward = [], None, None, False
         self._watched = checks.drifting_norms(self._sensitive)
         self._means = [m.running_mean.detach().clone() for _, m in self._watched]
         self._handles.append(self.model.register_forward_hook(self._on_output))
