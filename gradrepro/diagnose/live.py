@@ -20,6 +20,7 @@ read the gradients when backward begins and one multi-tensor norm when it ends
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,7 +222,7 @@ class LiveChecks:
             if self.on_finding == "log":
                 log.warning("%s", f)
             else:
-                warnings.warn(str(f), TrainingFinding, stacklevel=2)
+                warnings.warn(str(f), TrainingFinding, stacklevel=_user_level())
 
 
 def _finding(step: int, group: list[checks.Hit]) -> LiveFinding:
@@ -232,6 +233,15 @@ def _finding(step: int, group: list[checks.Hit]) -> LiveFinding:
         detail += f"; the same for {len(others)} more: {', '.join(others[:6])}" + (" ..." if len(others) > 6 else "")
         evidence = {**evidence, "tensors": len(group)}
     return LiveFinding(kind, name, detail, KINDS[kind], step=step, evidence=evidence)
+
+
+def _user_level() -> int:
+    """The ``stacklevel`` that points a warning at the user's line (``optimizer.step()``, the
+    forward pass): the first frame outside gradrepro and torch, counted from the caller."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("gradrepro", "torch"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def p_grad(p: torch.Tensor) -> torch.Tensor:
