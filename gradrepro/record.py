@@ -45,6 +45,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from gradrepro.diagnose.live import LiveChecks
 from gradrepro.diagnose.over_steps import findings_over_steps
 from gradrepro.diagnose.report import Finding
 from gradrepro.diagnose.scaled_clip import clipped_while_scaled
@@ -68,7 +69,8 @@ class Recorder:
                  every: int = 10, name: Optional[str] = None, scaler: Any = None, activations: bool = True,
                  act_sample: int = 8, hooks: bool = True, bf16: Optional[bool] = None,
                  every_rank: bool = False, timeout: float = ranks.HANDSHAKE_SECONDS,
-                 eager_logged_steps: bool = False) -> None:
+                 eager_logged_steps: bool = False, live: bool = True, on_finding: str = "warn",
+                 silence: Any = ()) -> None:
         _check(model, optimizer, every)
         self.model, self.optimizer, self.scaler, self.every = model, optimizer, scaler, every
         self.run_dir = Path(run_dir)
@@ -88,6 +90,9 @@ class Recorder:
         # bf16 rounding: always, never, or (None) when a weight is bf16 or bf16 autocast is on.
         self._bf16, self._bf16_weights = bf16, has_bf16(self.probe.params)
         self.records = Records(self.run_dir)
+        # findings reported at the logged step they appear (diagnose.live)
+        self.live = (LiveChecks(model, optimizer, self.probe, scaler, self.run_dir, on_finding, silence)
+                     if live else None)
         self.step = 0  # optimizer steps taken so far: the index of the step in progress
         self.status: Optional[str] = None  # set by close()
         self._begun = False
@@ -113,12 +118,14 @@ class Recorder:
 
     # -- the step protocol: called by the hooks, or by you with hooks=False ------------------
     def _on_forward(self, module: nn.Module, args: Any) -> None:
-        if not self._begun and torch.is_grad_enabled():
-            self.begin()
-            if self._current is not None and self._bf16 is None and autocast_bf16(self.probe.params[0]):
-                self.probe.bf16 = True
-            if self._current is not None and self._eager:
-                self._restore = run_eagerly()
+        if not torch.is_grad_enabled():
+            return
+        starts = not self._begun
+        self.begin()  # while a step is in progress: only the live loss-scale check
+        if starts and self._current is not None and self._bf16 is None and autocast_bf16(self.probe.params[0]):
+            self.probe.bf16 = True
+        if starts and self._current is not None and self._eager:
+            self._restore = run_eagerly()
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._restore is not None:
@@ -128,6 +135,8 @@ class Recorder:
     def begin(self) -> None:
         """A step begins (before its first forward pass). The last logged step's row closes."""
         if self._begun:
+            if self._current is not None and self.live is not None:
+                self.live.step_retried(self.step)  # a skipped step's retry, or the next micro-batch
             return
         self._close_row()
         self._begun = True
@@ -137,12 +146,16 @@ class Recorder:
             scale = float(self.scaler.get_scale()) if self.scaler is not None else 1.0
             self._current = self.probe.step(self.step, lr=lr, loss_scale=scale)
             self._current.__enter__()
+            if self.live is not None:
+                self.live.begin(self.step)
 
     def before_step(self) -> None:
         """The gradients are complete (after backward, unscaling and accumulation)."""
         self.begin()  # a step whose forward pass no hook saw
         if self._current is not None:
             _check_same_params(self.net, self.probe.params)
+            if self.live is not None:
+                self.live.before_step()
             self._current.collect()
 
     def after_step(self) -> None:
@@ -161,6 +174,8 @@ class Recorder:
         self._begun = False
         if current is not None and (self._last_flush is None or time.monotonic() - self._last_flush > flush_seconds()):
             self.flush()
+        if current is not None and self.live is not None:
+            self.live.after_step(self.step - 1, current.columns)  # last: it may raise (on_finding="raise")
 
     def log(self, **scalars: Any) -> None:
         """Scalars of the step in progress, or, after ``optimizer.step()``, of the step just
@@ -212,6 +227,8 @@ class Recorder:
         for handle in self._handles:
             handle.remove()
         self._after_forward(self.model, (), None)  # a forward that raised leaves nothing set
+        if self.live is not None:
+            self.live.disarm()
         if self._current is not None:
             self._current.__exit__(RuntimeError, None, None)  # disarms, records nothing
             self._current = None
@@ -238,15 +255,19 @@ class Recorder:
     def findings(self) -> list[Finding]:
         """Per parameter over the logged steps so far: no gradient, zero, tiny, non-finite,
         not updated (``diagnose.over_steps``); frozen and outside-the-optimizer tensors named; a
-        clip applied before a GradScaler's unscale (``diagnose.scaled_clip``)."""
+        clip applied before a GradScaler's unscale (``diagnose.scaled_clip``); then the live
+        findings (``diagnose.live``) of other kinds or tensors, each with its step."""
         held = {id(p) for g in self.optimizer.param_groups for p in g["params"]} if self.optimizer else None
         frozen = [n for n, p in zip(self.probe.names, self.probe.params) if not p.requires_grad]
         outside = [n for n, p in zip(self.probe.names, self.probe.params)
                    if p.requires_grad and held is not None and id(p) not in held]
         modules = self.records.modules()
-        found = findings_over_steps(modules, frozen, outside) if "grad_state" in modules else []
+        over = findings_over_steps(modules, frozen, outside) if "grad_state" in modules else []
         clip = clipped_while_scaled(self.records.scalars())  # a clip before the scaler's unscale
-        return ([clip] if clip is not None else []) + found
+        over = ([clip] if clip is not None else []) + over
+        seen = {(f.kind, f.name) for f in over}  # summarised over the steps: they stand for the live ones
+        live = self.live.found if self.live is not None else []
+        return over + [f for f in live if (f.kind, f.name) not in seen]
 
 
 def record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir: str | Path, every: int = 10,
@@ -257,7 +278,9 @@ def record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir
     (count the updates bf16 weights round away: None = when a weight is bf16 or under bf16
     autocast), ``every_rank`` (each process writes ``<run_dir>-rank<r>``), ``timeout`` (seconds
     the first logged step waits for every process's recorder), ``eager_logged_steps`` (a
-    compiled model's logged steps run uncompiled, so that its activations are recorded)."""
+    compiled model's logged steps run uncompiled, so that its activations are recorded);
+    ``live`` (check findings on every logged step, default True), ``on_finding`` ("warn",
+    "raise" or "log") and ``silence`` (kinds not reported): see ``gradrepro.diagnose.live``."""
     return Recorder(model, optimizer, run_dir, every, **options)
 
 

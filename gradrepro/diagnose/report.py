@@ -55,6 +55,15 @@ NEXT_CHECK: dict[str, str] = {
     "detached values: compute it with gradients enabled",
     "nonleaf_grad": "call t.retain_grad() before backward if you need an intermediate's gradient",
     "eval_mode": "nothing to fix for gradients; use model.train() when the training behaviour is intended",
+    # kinds the recorder checks live (diagnose.live)
+    "lr_zero": "print optimizer.param_groups[i]['lr'] over the steps: a scheduler whose total steps are too few "
+    "(counted in optimizer steps, after accumulation), scheduler.step() called per batch on a per-epoch schedule, "
+    "or lr=0 in the config",
+    "frozen_norm_drift": "call .eval() on frozen BatchNorm layers after every model.train() (or freeze them with "
+    "track_running_stats=False / torchvision's FrozenBatchNorm2d); requires_grad=False does not stop running "
+    "statistics",
+    "loss_scale_backoff": "find the first non-finite value with torch.autograd.set_detect_anomaly(True) for a few "
+    "steps: a log/sqrt/division at 0 or an fp16 overflow in the forward pass; compute that part in float32",
 }
 
 

@@ -1,0 +1,132 @@
+"""The silent-error benchmark's score, by one command:
+
+    python benchmarks/silent_errors/score.py [--cases NAME ...] [--healthy NAME ...] [--no-overhead]
+                                             [--json out.json]
+
+For each case (cases.py), buggy and fixed: detected or not, at which step, whether at the first
+logged step after the bug acts, whether the finding names the cause the report established,
+and any finding on the fixed form. Over the healthy models (healthy.py): the findings (each a
+false positive). Then the cost of live checking against the bare loop and against recording
+without live checks (CPU time of the training thread, interleaved rounds, medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cases import CASES, CAUSES  # noqa: E402
+from harness import EVERY, run_case  # noqa: E402
+from healthy import HEALTHY  # noqa: E402
+
+import gradrepro  # noqa: E402
+
+
+def first_logged_at_or_after(step: int, every: int = EVERY) -> int:
+    return -(-step // every) * every
+
+
+def score_case(name: str) -> dict:
+    case = CASES[name]
+    buggy, fixed = run_case(case.run, True), run_case(case.run, False)
+    first = min((f.step for f in buggy.findings), default=None)
+    named = sorted({f.kind for f in buggy.findings if f.step == first})
+    due = first_logged_at_or_after(buggy.bug_step) if buggy.bug_step >= 0 else None
+    return {"case": name, "cause": case.cause, "url": case.url, "bug_step": buggy.bug_step,
+            "detected_at": first, "in_time": first is not None and due is not None and first <= due,
+            "kinds": named, "cause_named": CAUSES[case.cause] in named,
+            "fixed_findings": sorted({f"{f.kind}@{f.step}" for f in fixed.findings}),
+            "error": buggy.error or fixed.error}
+
+
+def score_healthy(name: str) -> dict:
+    out = run_case(HEALTHY[name], True)
+    return {"model": name, "findings": [str(f) for f in out.findings], "error": out.error}
+
+
+def overhead(steps: int = 48, rounds: int = 3) -> dict:
+    """ResNet-18 (torchvision, weights=None) on 32x32 inputs, batch 16, SGD: CPU seconds per
+    step of the bare loop, of recording without live checks, and of recording with them, at
+    every=16 and every=1."""
+    from torchvision.models import resnet18
+    torch.manual_seed(0)
+    data = [(torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))) for _ in range(4)]
+    configs = {"bare": None, "record_16": (16, False), "live_16": (16, True),
+               "record_1": (1, False), "live_1": (1, True)}
+    times: dict[str, list[float]] = {k: [] for k in configs}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            for name, cfg in configs.items():
+                model = resnet18(weights=None, num_classes=10)
+                opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+                rec = None if cfg is None else gradrepro.record(
+                    model, opt, f"{tmp}/{name}{r}", every=cfg[0], live=cfg[1], on_finding="log", activations=False)
+                start = time.thread_time()
+                for i in range(steps):
+                    x, y = data[i % len(data)]
+                    opt.zero_grad()
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                    opt.step()
+                times[name].append((time.thread_time() - start) / steps)
+                if rec is not None:
+                    rec.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"seconds_per_step": med,
+            "live_16_vs_bare": med["live_16"] / med["bare"], "live_16_vs_record_16": med["live_16"] / med["record_16"],
+            "live_1_vs_bare": med["live_1"] / med["bare"], "live_1_vs_record_1": med["live_1"] / med["record_1"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", nargs="*", default=None, help=f"from: {', '.join(CASES)}")
+    ap.add_argument("--healthy", nargs="*", default=None, help=f"from: {', '.join(HEALTHY)}")
+    ap.add_argument("--no-overhead", action="store_true")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    for chosen, known, what in ((args.cases, CASES, "case"), (args.healthy, HEALTHY, "healthy model")):
+        bad = [n for n in chosen or [] if n not in known]
+        if bad:
+            print(f"unknown {what} {bad[0]!r}; choose from: {', '.join(known)}", file=sys.stderr)
+            return 2
+    torch.set_num_threads(1)
+    cases = [score_case(n) for n in (CASES if args.cases is None else args.cases)]
+    models = [score_healthy(n) for n in (HEALTHY if args.healthy is None else args.healthy)]
+    result = {"every": EVERY, "cases": cases, "healthy": models}
+    for c in cases:
+        print(f"{c['case']:42s} {c['cause']:20s} bug@{c['bug_step']:<3} found@{c['detected_at']!s:5s} "
+              f"in_time={c['in_time']!s:5s} cause_named={c['cause_named']!s:5s} {','.join(c['kinds'])}"
+              + (f"  FIXED: {c['fixed_findings']}" if c["fixed_findings"] else "")
+              + (f"  ERROR {c['error']}" if c["error"] else ""))
+    for m in models:
+        print(f"healthy {m['model']:30s} findings={len(m['findings'])}"
+              + (f"  ERROR {m['error']}" if m["error"] else ""))
+        for f in m["findings"]:
+            print("   ", f.splitlines()[0])
+    n = len(cases)
+    if n:
+        summary = {"cases": n, "causes": len({c["cause"] for c in cases}),
+                   "detected_in_time": sum(c["in_time"] for c in cases),
+                   "cause_named": sum(c["cause_named"] for c in cases),
+                   "fixed_with_findings": sum(bool(c["fixed_findings"]) for c in cases),
+                   "healthy_with_findings": sum(bool(m["findings"] or m["error"]) for m in models)}
+        result["summary"] = summary
+        print("summary:", summary)
+    if not args.no_overhead:
+        result["overhead"] = overhead()
+        print("overhead:", json.dumps(result["overhead"], indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

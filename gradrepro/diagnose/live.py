@@ -1,0 +1,252 @@
+"""Findings as they happen: what ``gradrepro.record`` checks on every logged step, reported once,
+at the step it first appears, with the tensor or module, the step's numbers and the next check.
+
+    rec = gradrepro.record(model, optimizer, "runs/mine", every=16)            # warns (TrainingFinding)
+    rec = gradrepro.record(..., on_finding="raise")                            # raises FindingError
+    rec = gradrepro.record(..., silence=["eval_mode"])                         # one kind left out
+
+A finding goes to Python's ``warnings`` (category ``TrainingFinding``; ``on_finding="log"``:
+the ``gradrepro.diagnose.live`` logger instead), to ``findings.json`` in the run folder
+(written atomically when it appears) and to ``rec.findings()``.
+
+Cost: nothing on a step that is not logged. On a logged step, besides the probe's own work:
+identity sets of the optimizer's and the model's tensors, one pass over the mode-sensitive
+modules, a copy of each frozen BatchNorm's running mean, a forward hook on the model and a
+gradient hook on its output, where a few multi-tensor operations (a difference and norms)
+read the gradients when backward begins and one multi-tensor norm when it ends
+(``queue_callback`` of the autograd engine), and two transfers to the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from gradrepro.diagnose import live_checks as checks
+from gradrepro.diagnose.report import ERROR, NEXT_CHECK, WARNING, Finding
+from gradrepro.errors import UserError
+from gradrepro.records.files import write_json
+
+log = logging.getLogger(__name__)
+
+FINDINGS = "findings.json"
+ON_FINDING = ("warn", "raise", "log")
+# Every kind the live checks report, with its severity.
+KINDS: dict[str, str] = {
+    "not_in_optimizer": ERROR, "stale_optimizer_param": ERROR, "lr_zero": ERROR, "not_updated": ERROR,
+    "no_gradient": ERROR, "grad_modified": ERROR, "nonfinite_gradient": ERROR, "stale_gradient": ERROR,
+    "eval_mode": WARNING, "frozen_norm_drift": WARNING, "loss_scale_backoff": ERROR,
+}
+# GradScaler halves its scale on every step with an overflow (torch.amp.GradScaler docs,
+# backoff_factor=0.5). Below a scale of 1 it shrinks the gradients instead of amplifying
+# them, so an overflow there is not one the scale caused: the backoff will not end.
+SCALE_FLOOR = 1.0
+
+
+class TrainingFinding(UserWarning):
+    """The warning category of a live finding (filter it with ``warnings.filterwarnings``)."""
+
+
+class FindingError(RuntimeError):
+    """Raised by the recorder with ``on_finding="raise"``; ``.findings`` holds what was found."""
+
+    def __init__(self, findings: list["LiveFinding"]) -> None:
+        super().__init__("\n".join(str(f) for f in findings))
+        self.findings = findings
+
+
+@dataclass(frozen=True)
+class LiveFinding(Finding):
+    step: int = -1
+    evidence: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def fix(self) -> str:
+        return NEXT_CHECK.get(self.kind, "")
+
+    def __str__(self) -> str:
+        return f"[{self.severity}] step {self.step}: {self.kind} {self.name}: {self.detail}\n  next check: {self.fix}"
+
+    def row(self) -> dict[str, Any]:
+        return {"step": self.step, "kind": self.kind, "name": self.name, "severity": self.severity,
+                "detail": self.detail, "fix": self.fix, "evidence": self.evidence}
+
+
+class LiveChecks:
+    """The recorder's live findings; the recorder calls ``begin`` (a logged step begins),
+    ``before_step``, ``after_step`` (with the probe's columns) and ``step_retried``."""
+
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], probe: Any, scaler: Any,
+                 run_dir: Path, on_finding: str = "warn", silence: Any = ()) -> None:
+        if on_finding not in ON_FINDING:
+            raise UserError(f"on_finding={on_finding!r}: choose one of {', '.join(ON_FINDING)}")
+        silence = [silence] if isinstance(silence, str) else list(silence)
+        unknown = [k for k in silence if k not in KINDS]
+        if unknown:
+            raise UserError(f"silence={unknown[0]!r} is not a finding; the findings are: {', '.join(KINDS)}")
+        self.model, self.optimizer, self.probe, self.scaler = model, optimizer, probe, scaler
+        self.path, self.on_finding, self.silence = Path(run_dir) / FINDINGS, on_finding, set(silence)
+        self.found: list[LiveFinding] = []
+        self._seen: set[tuple[str, str]] = set()
+        self._sensitive = checks.mode_sensitive(model)
+        self._hits: list[checks.Hit] = []  # found before the step, reported after it
+        self._watched: list[tuple[str, nn.Module]] = []
+        self._means: list[torch.Tensor] = []
+        self._handles: list = []
+        self._start: Optional[tuple] = None  # (indices, carried norms, differences) at the last backward's start
+        self._end: Optional[tuple] = None  # (indices, norms) when the last backward ended
+        self._scale: Optional[float] = None
+        self._in_backward = False
+
+    # -- the step protocol ------------------------------------------------------------------
+    def begin(self, step: int) -> None:
+        """A logged step begins (before its first forward pass)."""
+        self._hits, self._start, self._end, self._in_backward = [], None, None, False
+        self._watched = checks.drifting_norms(self._sensitive)
+        self._means = [m.running_mean.detach().clone() for _, m in self._watched]
+        self._handles.append(self.model.register_forward_hook(self._on_output))
+        self._check_scale(step, float(self.probe.loss_scale))
+
+    def step_retried(self, step: int) -> None:
+        """A forward pass began while a logged step was in progress: with a GradScaler, the
+        step may have been skipped (its scale backed off)."""
+        if self.scaler is not None:
+            self._check_scale(step, float(self.scaler.get_scale()))
+
+    def before_step(self) -> None:
+        """The gradients are complete; the probe has not read them yet."""
+        self._hits += checks.membership_hits(self.model, self.optimizer)
+        self._hits += checks.mode_hits(self.model, self._sensitive)
+        self._hits += checks.drift_hits(self._watched, self._means)
+
+    def after_step(self, step: int, columns: Optional[dict]) -> None:
+        """The step is taken: its columns are made. Reports what is new."""
+        self.disarm()
+        hits, self._hits = self._hits, []
+        if columns is not None:
+            names, params = self.probe.names, self.probe.params
+            end = self._host(self._end)
+            hits += checks.column_hits(step, names, params, columns, checks.group_lrs(self.optimizer), end)
+            if self._start is not None:
+                idx, carried, diff = self._start
+                values = torch.stack([torch.stack(carried), torch.stack(diff)]).cpu().double().numpy()
+                hits += checks.stale_hits(names, zip(idx, values[0], values[1]))
+        if step == 0:  # a linear warm-up from 0 takes its first step at lr 0 by design
+            hits = [h for h in hits if h[0] != "lr_zero"]
+        self._report(step, hits)
+
+    def disarm(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # -- gradients around backward (logged steps only) ---------------------------------------
+    def _on_output(self, module: nn.Module, args: Any, out: Any) -> None:
+        first = next((t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad), None)
+        if first is not None:
+            first.register_hook(self._backward_begins)
+
+    def _backward_begins(self, grad: torch.Tensor) -> None:
+        """The gradient reached the model's output (first of its outputs in this backward):
+        .grad holds what earlier backward passes left."""
+        if self._in_backward:
+            return None
+        probe, self._start = self.probe, None
+        idx = [i for i, p in enumerate(probe.params) if p.grad is not None]
+        if idx and probe._carrying and probe._carried is not None:
+            with torch.no_grad():
+                carried = [probe._carried.views[i] for i in idx]
+                now = [p_grad(probe.params[i]).to(c.dtype) for i, c in zip(idx, carried)]
+                diff = torch._foreach_sub(now, carried)
+                self._start = (idx, list(torch._foreach_norm(carried)), list(torch._foreach_norm(diff)))
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+            self._in_backward = True
+        except (AttributeError, RuntimeError):  # no engine callback: the edit check is skipped
+            pass
+        return None
+
+    def _backward_ends(self) -> None:
+        self._in_backward = False
+        idx = [i for i, p in enumerate(self.probe.params) if p.grad is not None]
+        with torch.no_grad():
+            self._end = (idx, list(torch._foreach_norm([p_grad(self.probe.params[i]) for i in idx]))) if idx else None
+
+    @staticmethod
+    def _host(end: Optional[tuple]) -> Optional[dict[int, float]]:
+        if end is None:
+            return None
+        idx, norms = end
+        values = torch.stack([n.float() for n in norms]).cpu().numpy()
+        return {i: float(v) for i, v in zip(idx, values)}
+
+    # -- the loss scale ----------------------------------------------------------------------
+    def _check_scale(self, step: int, scale: float) -> None:
+        if self.scaler is None:
+            return
+        if self._scale is not None and scale < self._scale and scale < SCALE_FLOOR:
+            self._report(step, [("loss_scale_backoff", "<scaler>", (
+                f"the GradScaler backed off to a scale of {scale:.3g} (from {self._scale:.3g}): below 1 every step "
+                "still overflows, so the gradients are non-finite whatever the scale and every step is skipped"),
+                {"loss_scale": scale, "previous_scale": self._scale})])
+        self._scale = scale
+
+    # -- reporting ----------------------------------------------------------------------------
+    def _report(self, step: int, hits: list[checks.Hit]) -> None:
+        fresh: dict[str, list[checks.Hit]] = {}
+        for hit in hits:
+            kind, name = hit[0], hit[1]
+            if kind in self.silence or (kind, name) in self._seen:
+                continue
+            self._seen.add((kind, name))
+            fresh.setdefault(kind, []).append(hit)
+        new = [_finding(step, group) for group in fresh.values()]
+        if not new:
+            return
+        self.found += new
+        try:
+            write_json(self.path, {"findings": [f.row() for f in self.found]})
+        except OSError as exc:
+            log.warning("could not write %s (%s)", self.path, exc)
+        if self.on_finding == "raise":
+            raise FindingError(new)
+        for f in new:
+            if self.on_finding == "log":
+                log.warning("%s", f)
+            else:
+                warnings.warn(str(f), TrainingFinding, stacklevel=_user_level())
+
+
+def _finding(step: int, group: list[checks.Hit]) -> LiveFinding:
+    """One finding per kind and step: the first tensor's detail, the others named."""
+    kind, name, detail, evidence = group[0]
+    if len(group) > 1:
+        others = [h[1] for h in group[1:]]
+        detail += f"; the same for {len(others)} more: {', '.join(others[:6])}" + (" ..." if len(others) > 6 else "")
+        evidence = {**evidence, "tensors": len(group)}
+    return LiveFinding(kind, name, detail, KINDS[kind], step=step, evidence=evidence)
+
+
+def _user_level() -> int:
+    """The ``stacklevel`` that points a warning at the user's line (``optimizer.step()``, the
+    forward pass): the first frame outside gradrepro and torch, counted from the caller."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in ("gradrepro", "torch"):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def p_grad(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient as the probe summarises it (dense, real)."""
+    g = p.grad
+    if g.is_sparse:
+        g = g.to_dense()
+    return torch.view_as_real(g) if g.is_complex() else g

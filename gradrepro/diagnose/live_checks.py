@@ -1,0 +1,196 @@
+"""The checks ``gradrepro.record`` makes on every logged step (``diagnose.live``), each a pure
+function of the model, the optimizer and the probe's columns of that step. Each returns
+``(kind, name, detail, evidence)`` tuples; ``live.LiveChecks`` turns them into findings.
+
+The kinds and what each rests on:
+
+- ``not_in_optimizer``, ``stale_optimizer_param``: the optimizer's tensors against the model's,
+  by identity (a module replaced after the optimizer was built leaves both).
+- ``lr_zero``, ``not_updated``: a finite gradient and an update of exactly zero; its group's
+  learning rate says which.
+- ``no_gradient``: a trainable tensor whose ``.grad`` is None at the step (the whole model:
+  the loss does not reach it).
+- ``nonfinite_gradient``: NaN or Inf in a gradient the optimizer is about to use.
+- ``eval_mode``: dropout or normalisation modules in eval mode during a gradient step.
+- ``frozen_norm_drift``: a BatchNorm whose weight and bias are frozen while, in train mode,
+  its running statistics move with every forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+Hit = tuple[str, str, str, dict]  # kind, name, detail, evidence
+
+# Modules whose forward differs between train and eval mode (torch.nn.Module.train's docs:
+# "This has an effect only on certain modules ... e.g. Dropout, BatchNorm").
+_DROPOUT = nn.modules.dropout._DropoutNd
+_NORM = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+def mode_sensitive(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules whose behaviour a wrong mode changes: dropout with p > 0, and normalisation
+    layers that keep running statistics."""
+    found = []
+    for name, m in model.named_modules():
+        if isinstance(m, _DROPOUT) and float(getattr(m, "p", 0.0)) > 0:
+            found.append((name or "<root>", m))
+        elif isinstance(m, _NORM) and getattr(m, "track_running_stats", False):
+            found.append((name or "<root>", m))
+    return found
+
+
+def frozen_norm(m: nn.Module) -> bool:
+    """A normalisation layer with parameters, none of which trains: deliberately frozen."""
+    params = list(m.parameters(recurse=False))
+    return bool(params) and not any(p.requires_grad for p in params)
+
+
+def mode_hits(model: nn.Module, sensitive: list[tuple[str, nn.Module]]) -> list[Hit]:
+    """Modules in eval mode during a gradient step. A frozen normalisation layer in eval mode
+    is the documented way to freeze it, so it is not one."""
+    if not sensitive:
+        return []
+    if not model.training:
+        kinds = sorted({type(m).__name__ for _, m in sensitive})
+        return [("eval_mode", "<model>", f"the whole model is in eval mode during a training step: its "
+                 f"{len(sensitive)} {', '.join(kinds)} module(s) run their evaluation behaviour (dropout off, "
+                 "normalisation by running statistics)", {"modules_in_eval": len(sensitive)})]
+    off = [(n, m) for n, m in sensitive if not m.training and not (isinstance(m, _NORM) and frozen_norm(m))]
+    if not off:
+        return []
+    names = ", ".join(n for n, _ in off[:5]) + (" ..." if len(off) > 5 else "")
+    return [("eval_mode", off[0][0], f"{len(off)} module(s) in eval mode while the model trains ({names}): "
+             "dropout is off and normalisation uses running statistics on these", {"modules_in_eval": len(off)})]
+
+
+def drifting_norms(sensitive: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Frozen normalisation layers in train mode: the ones whose statistics a step may move."""
+    return [(n, m) for n, m in sensitive
+            if isinstance(m, _NORM) and m.training and frozen_norm(m) and m.running_mean is not None]
+
+
+def drift_hits(watched: list[tuple[str, nn.Module]], before: list[torch.Tensor]) -> list[Hit]:
+    """The watched layers whose running mean moved since the step began (one host transfer)."""
+    if not watched:
+        return []
+    with torch.no_grad():
+        moved = torch.stack([torch.linalg.vector_norm((m.running_mean - b).float())
+                             for (_, m), b in zip(watched, before)])
+        scale = torch.stack([torch.linalg.vector_norm(b.float()) for b in before])
+        moved, scale = moved.cpu().numpy(), scale.cpu().numpy()
+    hits = []
+    for (name, _), d, s in zip(watched, moved, scale):
+        if d > 0:
+            hits.append(("frozen_norm_drift", name, (
+                f"weight and bias are frozen (requires_grad=False) but the layer is in train mode: its "
+                f"running_mean moved by {d:.3g} (norm {s:.3g} before) during this step"),
+                {"running_mean_change": float(d), "running_mean_norm": float(s)}))
+    return hits
+
+
+def membership_hits(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> list[Hit]:
+    """Trainable tensors no param group holds, and tensors the optimizer holds that the model
+    no longer owns, compared by identity."""
+    if optimizer is None:
+        return []
+    names = {id(p): n for n, p in model.named_parameters()}
+    held = [(g, p) for g, group in enumerate(optimizer.param_groups) for p in group["params"]]
+    held_ids = {id(p) for _, p in held}
+    hits = []
+    outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held_ids]
+    for n in outside:
+        hits.append(("not_in_optimizer", n, "trainable and registered, but no param group holds it (compared by "
+                     "identity): it gets a gradient and never moves", {"param_groups": len(optimizer.param_groups)}))
+    stale = [(g, p) for g, p in held if id(p) not in names and p.requires_grad]
+    if stale:
+        shapes = ", ".join(str(tuple(p.shape)) for _, p in stale[:4]) + (" ..." if len(stale) > 4 else "")
+        hits.append(("stale_optimizer_param", f"<optimizer group {stale[0][0]}>", (
+            f"the optimizer holds {len(stale)} tensor(s) the model no longer owns ({shapes})"
+            + (f"; the model's {', '.join(outside[:4])} is in no param group: replaced after the optimizer was "
+               "built?" if outside else "")), {"stale_tensors": len(stale), "model_tensors_outside": len(outside)}))
+    return hits
+
+
+def group_lrs(optimizer: Optional[torch.optim.Optimizer]) -> dict[int, float]:
+    """id(tensor) -> its param group's learning rate."""
+    if optimizer is None:
+        return {}
+    return {id(p): float(g.get("lr", math.nan)) for g in optimizer.param_groups for p in g["params"]}
+
+
+def column_hits(step: int, names: list[str], params: list[torch.Tensor], columns: dict[str, np.ndarray],
+                lrs: dict[int, float], end_norms: Optional[dict[int, float]]) -> list[Hit]:
+    """From the probe's columns of one logged step: no gradient, a gradient edited away between
+    backward and the step, non-finite gradients, and finite gradients that moved nothing.
+    ``end_norms``: index -> the norm of .grad when backward ended (None: not seen)."""
+    state, g_norm, u_to_p = columns["grad_state"], columns["grad_norm"], columns["update_to_param"]
+    hits: list[Hit] = []
+    trainable = [i for i, p in enumerate(params) if p.requires_grad]
+    missing = [i for i in trainable if state[i] == "none"]
+    removed = [i for i in missing if end_norms and end_norms.get(i, 0.0) > 0]
+    zeroed = [i for i in trainable if state[i] == "zero" and end_norms and end_norms.get(i, 0.0) > 0]
+    for i in removed + zeroed:
+        what = "set to None" if state[i] == "none" else "zeroed"
+        hits.append(("grad_modified", names[i], (
+            f"backward left a gradient of norm {end_norms[i]:.4g}; at optimizer.step() it was {what} (something "
+            "between backward and step wrote .grad: zero_grad() in the wrong place, a hook, a custom clip)"),
+            {"grad_norm_after_backward": end_norms[i], "grad_norm_at_step": float(np.nan_to_num(g_norm[i]))}))
+    missing = [i for i in missing if i not in removed]
+    if missing and len(missing) == len(trainable):
+        hits.append(("no_gradient", "<model>", f"none of the {len(trainable)} trainable tensors has a gradient at "
+                     f"step {step}: the loss does not reach the model (detached, computed from .item() values or "
+                     "under no_grad)", {"tensors_without_grad": len(missing)}))
+    else:
+        for i in missing:
+            hits.append(("no_gradient", names[i], f"requires_grad=True but .grad is None at step {step}: no graph "
+                         "path from the loss (cut by .detach()/.item()/a rebuild with torch.tensor, or unused in "
+                         "forward)", {"grad_state": 0.0}))
+    for i in trainable:
+        if state[i] == "nonfinite":
+            frac = float(columns["frac_nonfinite"][i])
+            hits.append(("nonfinite_gradient", names[i], f"{frac:.3g} of its gradient entries are NaN or Inf at "
+                         f"step {step}", {"frac_nonfinite": frac}))
+        elif state[i] in ("finite", "tiny") and u_to_p[i] == 0 and id(params[i]) in lrs:
+            lr = lrs[id(params[i])]
+            if lr > 0 and _below_resolution(params[i], lr * float(g_norm[i]), float(columns["param_norm"][i])):
+                continue
+            ratio = float(columns["grad_to_param"][i])
+            if lr == 0:
+                hits.append(("lr_zero", names[i], f"a finite gradient (grad/param {ratio:.3g}) but no change: its "
+                             f"param group's learning rate is 0 at step {step}", {"lr": lr, "grad_to_param": ratio}))
+            else:
+                hits.append(("not_updated", names[i], f"a finite gradient (grad/param {ratio:.3g}), held by the "
+                             f"optimizer with lr {lr:g}, and no change at step {step}",
+                             {"lr": lr, "grad_to_param": ratio}))
+    return hits
+
+
+def _below_resolution(p: torch.Tensor, step_norm: float, p_norm: float) -> bool:
+    """An SGD-sized step (lr x ||grad||) under half an ulp of the tensor's norm rounds away: no
+    change is then what the dtype allows (a bias in front of a BatchNorm has a ~0 gradient)."""
+    return step_norm < 0.5 * torch.finfo(p.dtype).eps * p_norm if p.is_floating_point() else False
+
+
+def stale_hits(names: list[str], carried: Iterable[tuple[int, float, float]]) -> list[Hit]:
+    """``carried``: (index, norm of what .grad held when the step began, norm of the difference
+    between that and .grad when the step's last backward began). A difference of exactly zero
+    means nothing zeroed .grad in between: the previous step's gradient is summed into this one.
+    Exactly, because the probe's copy of .grad is exact (same or wider dtype)."""
+    stale = [(i, c) for i, c, d in carried if c > 0 and d == 0]
+    if not stale:
+        return []
+    i, c = stale[0]
+    return [("stale_gradient", "<model>", (
+        f"{len(stale)} tensor(s) (first {names[i]}) entered backward still holding the previous step's gradient "
+        f"(norm {c:.4g}), unchanged: nothing called zero_grad(), so the step uses the running sum of gradients"),
+        {"tensors_carrying": len(stale), "carried_norm": c})]
+
+
+def describe_evidence(evidence: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in evidence.items())
