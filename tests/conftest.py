@@ -86,7 +86,7 @@ def joblib_sweep(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_runs(tmp_path_factory) -> Dict[str, Path]:
     """Every experiment at scale=tiny in one multirun of the real CLI (one process: fast),
-    as {experiment name: run directory}. Shared by every test that needs a finished run."""
+    as {experiment name: run folder}. Shared by every test that needs a finished run."""
     sweep = tmp_path_factory.mktemp("tiny_sweep")
     multirun(sweep, f"experiment={','.join(experiment_names())}", "scale=tiny", timeout=1800)
     found = {}

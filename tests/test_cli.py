@@ -1,5 +1,5 @@
 """End to end through the real CLI at scale=tiny: every experiment writes the run
-directory of the contract (README, "The run directory"), and bad input is one line with
+directory of the contract (README, "The run folder"), and bad input is one line with
 exit code 2."""
 
 from __future__ import annotations

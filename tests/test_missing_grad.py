@@ -35,7 +35,7 @@ def _plain(cfg) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tiny_runs):
-    """The missing_grad runs of the session's scale=tiny multirun: {name: run directory}."""
+    """The missing_grad runs of the session's scale=tiny multirun: {name: run folder}."""
     return {name: tiny_runs[name] for name in NAMES}
 
 

@@ -1,5 +1,5 @@
 """``logger=tensorboard``: scalars, per-module gradient norms and magnitude histograms land in
-an event folder inside the run directory; non-finite values are counted, not lost."""
+an event folder inside the run folder; non-finite values are counted, not lost."""
 
 from __future__ import annotations
 

@@ -158,13 +158,13 @@ def _record_interruption(checked: Optional[preflight.Checked], signum: int) -> s
     if checked is None or checked.path is None or checked.sweep or not claimed_here(checked.path):
         return "before the run started; nothing was recorded"
     if (Path(checked.path) / SUMMARY).exists():
-        return f"after the run; run directory: {checked.path}"
+        return f"after the run; run folder: {checked.path}"
     try:
         write_summary(checked.path, stub_summary(checked.cfg, checked.overrides, "interrupted",
                                                  time.perf_counter(), signum=signum))
     except RecordsIncomplete as exc:
         return f"before training started; {exc}"
-    return f"before training started; run directory: {checked.path} (its summary.json says so)"
+    return f"before training started; run folder: {checked.path} (its summary.json says so)"
 
 
 def _report_failed_jobs(sweep_dir: Optional[Path]) -> None:

@@ -104,7 +104,7 @@ class PrecisionConfig:
 @dataclass
 class LoggerConfig:
     # none | tensorboard: also write scalars and per-module gradient norms and magnitude
-    # histograms to a TensorBoard event folder inside the run directory (records/tensorboard.py).
+    # histograms to a TensorBoard event folder inside the run folder (records/tensorboard.py).
     name: str = "none"
     folder: str = "tensorboard"
     histograms: bool = True

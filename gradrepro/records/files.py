@@ -141,7 +141,7 @@ def ensure_writable_dir(run_dir: Path) -> None:
             probe.flush()
             os.fsync(probe.fileno())
     except OSError as exc:
-        raise UserError(f"cannot write to the run directory {str(run_dir)!r}: "
+        raise UserError(f"cannot write to the run folder {str(run_dir)!r}: "
                         f"{exc.strerror or exc}") from None
 
 

@@ -1,5 +1,5 @@
 """``logger=tensorboard``: the run's records also go to a TensorBoard event folder inside the
-run directory, so a run opens in the viewer users already have (``tensorboard --logdir RUN``).
+run folder, so a run opens in the viewer users already have (``tensorboard --logdir RUN``).
 
 The runner keeps one place where records are added; with a logger, the records object is
 :class:`TensorBoardRecords`, which writes each row to TensorBoard as it is added:

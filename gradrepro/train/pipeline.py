@@ -196,4 +196,4 @@ def _print_result(cfg: DictConfig, t: Training, verdict: Any, outcome: Outcome, 
         m = t.device_mismatch
         print(f"device mismatch at the first forward pass: {', '.join(m.tensors)} stayed on "
               f"{', '.join(sorted(set(m.held_on)))} while the parameters are on {m.device} ({m.error})")
-    print(f"status: {outcome.status}; run directory: {run_dir}")
+    print(f"status: {outcome.status}; run folder: {run_dir}")
