@@ -151,7 +151,7 @@ def mode_pass(net: nn.Module, objective: Any, data: Any, cfg: Any,
         # The model as deployed after this pass: eval-mode metrics with the moved buffers.
         net.eval()
         with torch.no_grad():
-            after = objective.evaluate(net, data)
+            after = objective.held_out_metrics(net, data)
         out.update({f"diag_after_{k}": float(v) for k, v in after.items()})
         _restore_buffers(net, saved)
         if diag is None:

@@ -1,5 +1,5 @@
 """Objective choices: each turns a model into the trained network (``wrap``), computes the
-loss of a batch (``__call__``) and evaluates (``evaluate``), and declares the scalars it
+loss of a batch (``__call__``) and its held-out metrics (``held_out_metrics``), and declares the scalars it
 records (``TRAIN_SCALARS`` on logged steps, ``EVAL_SCALARS`` at evaluations), so that a
 signature's metric names are checked before training."""
 

@@ -38,7 +38,7 @@ class Classification:
         return LossOutput(loss, scalars={"train_acc": acc})
 
     @torch.no_grad()
-    def evaluate(self, net: nn.Module, data: ImageData, knn_k: int = 20) -> Dict[str, float]:
+    def held_out_metrics(self, net: nn.Module, data: ImageData, knn_k: int = 20) -> Dict[str, float]:
         _, _, x_test, y_test = data.eval_sets()
         was_training = net.training
         net.eval()

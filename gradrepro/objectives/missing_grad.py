@@ -103,7 +103,7 @@ class MissingGrad:
         self.cfg = cfg
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        if not callable(getattr(model, "on_optimizer", None)):  # evaluate needs it: refused at build
+        if not callable(getattr(model, "on_optimizer", None)):  # held_out_metrics needs it: refused at build
             raise ValueError(f"objective=missing_grad needs model=missing_grad (a model with the runner's "
                              f"on_optimizer hook), not {type(model).__name__}")
         return model
@@ -111,7 +111,7 @@ class MissingGrad:
     def __call__(self, net: nn.Module, batch: Batch) -> LossOutput:
         return LossOutput(F.cross_entropy(net(batch.x).float(), batch.y))
 
-    def evaluate(self, net: nn.Module, data: ImageData, knn_k: int = 20) -> dict[str, float]:
+    def held_out_metrics(self, net: nn.Module, data: ImageData, knn_k: int = 20) -> dict[str, float]:
         optimizer = getattr(net, "optimizer", None)
         if optimizer is None:
             raise ValueError("the missing_grad objective needs a model with the runner's on_optimizer hook")

@@ -100,7 +100,7 @@ class SimSiam:
         )
 
     @torch.no_grad()
-    def evaluate(self, net: nn.Module, data: ImageData, knn_k: int = 20) -> Dict[str, float]:
+    def held_out_metrics(self, net: nn.Module, data: ImageData, knn_k: int = 20) -> Dict[str, float]:
         """k-NN accuracy of the backbone's features: the held-out set against the bank."""
         bank, bank_y, query, query_y = data.eval_sets()
         was_training = net.training

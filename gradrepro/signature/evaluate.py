@@ -24,7 +24,7 @@ import pandas as pd
 import gradrepro.signature.metrics  # noqa: F401 - every family registers its metrics
 from gradrepro.numerics import ratio
 from gradrepro.records.run import RunRecords
-from gradrepro.signature.registry import METRICS
+from gradrepro.signature.registry import METRICS, why_nan
 
 ROLES = ("evidence", "context")
 OPS: Dict[str, Callable[[float, float], bool]] = {

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 def train_steps(cfg: DictConfig, t: Training, records: Records, generator: torch.Generator, stop: StopRequest,
-                evaluate_at: Callable[[int], None], measurements: Sequence[Measurement] = ()) -> Outcome:
+                measure_held_out: Callable[[int], None], measurements: Sequence[Measurement] = ()) -> Outcome:
     """The training steps, until the last one, a divergence, a signal or an exception."""
     steps = cfg.train.steps
     outcome = Outcome()
@@ -48,7 +48,7 @@ def train_steps(cfg: DictConfig, t: Training, records: Records, generator: torch
                 outcome.status, outcome.stopped_at = "diverged", step
                 break
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < steps:
-                evaluate_at(step + 1)
+                measure_held_out(step + 1)
             if stop.signal is not None:
                 outcome.status, outcome.stopped_at = "interrupted", step
                 break

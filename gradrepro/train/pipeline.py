@@ -82,24 +82,24 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopReq
     records = state.records = open_records(cfg.logger, run_dir, t.net)  # logger=tensorboard also writes there
     generator = torch.Generator().manual_seed(cfg.seed)
 
-    def evaluate_at(step: int) -> None:
-        records.add_scalars({"step": step, **t.objective.evaluate(t.net, t.data, knn_k=cfg.eval.knn_k)})
+    def measure_held_out(step: int) -> None:
+        records.add_scalars({"step": step, **t.objective.held_out_metrics(t.net, t.data, knn_k=cfg.eval.knn_k)})
         hold_eval(t.net, t.held)  # evaluate's net.train() put every module back in train mode
 
     # Train, with the measurements this config switches on.
     measurements: List[Measurement] = []
     if t.device_mismatch is not None:  # the first forward pass cannot run: nothing trains
         outcome = state.outcome = Outcome(status="device_mismatch")
-        constants = _evaluate_unmoved(evaluate_at)
+        constants = _evaluate_unmoved(measure_held_out)
     else:
-        constants = _initial_constants(cfg, t, records, evaluate_at)
+        constants = _initial_constants(cfg, t, records, measure_held_out)
         measurements = start_measurements(RunContext(
             cfg, t, device, generator, run_dir, overrides, run_experiment=run, compose=compose,
             stopped=lambda: stop.signal is not None))
         for m in measurements:
             constants.update(m.before_training())
-        outcome = state.outcome = train_steps(cfg, t, records, generator, stop, evaluate_at, measurements)
-        _after_steps(cfg, outcome, stop, evaluate_at)
+        outcome = state.outcome = train_steps(cfg, t, records, generator, stop, measure_held_out, measurements)
+        _after_steps(cfg, outcome, stop, measure_held_out)
     # An interrupted run stops quickly: the records up to the signal are what the user asked
     # to keep. A diverged or failed run is evaluated on what exists.
     missing = records.write_all()
@@ -134,11 +134,11 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopReq
 
 
 def _initial_constants(cfg: DictConfig, t: Training, records: Records,
-                       evaluate_at: Callable[[int], None]) -> Dict[str, Any]:
+                       measure_held_out: Callable[[int], None]) -> Dict[str, Any]:
     """The evaluation before any step (its values as ``*_init`` constants), the held-out size and
     the network's shape facts."""
     try:
-        evaluate_at(0)
+        measure_held_out(0)
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as exc:  # before any step: the config
         raise UserError(f"the evaluation before training failed (objective={cfg.objective.name}, "
                         f"model={cfg.model.name}): {first_line(exc)}") from None
@@ -148,25 +148,25 @@ def _initial_constants(cfg: DictConfig, t: Training, records: Records,
     return constants
 
 
-def _evaluate_unmoved(evaluate_at: Callable[[int], None]) -> Dict[str, Any]:
+def _evaluate_unmoved(measure_held_out: Callable[[int], None]) -> Dict[str, Any]:
     """The evaluation of a run whose first forward pass failed on unmoved tensors: what the
     objective can still say about the model (the missing_grad objective: its registration
     findings); an objective that needs a forward pass records nothing."""
     try:
-        evaluate_at(0)
+        measure_held_out(0)
     except RuntimeError as exc:
         log.warning("no evaluation: the forward pass fails (%s)", first_line(exc))
     return {"device_mismatch": 1.0}
 
 
-def _after_steps(cfg: DictConfig, outcome: Outcome, stop: StopRequest, evaluate_at: Callable[[int], None]) -> None:
+def _after_steps(cfg: DictConfig, outcome: Outcome, stop: StopRequest, measure_held_out: Callable[[int], None]) -> None:
     """The final evaluation of a run whose steps all ran, unless a signal came first."""
     if stop.signal is not None:
         outcome.stop("interrupted")
     if outcome.status != "completed" or cfg.train.steps <= 0:
         return
     try:
-        evaluate_at(cfg.train.steps)
+        measure_held_out(cfg.train.steps)
     except Exception as exc:  # noqa: BLE001 - a bug: keep what was recorded, then re-raise
         outcome.stop("failed", exc)
 
