@@ -20,7 +20,6 @@ import socket
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -29,21 +28,11 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from overhead import MODELS, make_batch  # noqa: E402
+from record_overhead import timed_step  # noqa: E402
 
 import gradrepro  # noqa: E402
 
 WORLD = 2
-
-
-def loop_step(net, opt, loss_fn, x, y, rec=None):
-    wall, cpu = time.perf_counter(), time.thread_time()
-    opt.zero_grad(set_to_none=True)
-    loss = loss_fn(net(x), y)
-    loss.backward()
-    opt.step()
-    if rec is not None:
-        rec.log(loss=loss)
-    return time.perf_counter() - wall, time.thread_time() - cpu
 
 
 def worker(rank: int, port: int, args, out: str) -> None:
@@ -64,8 +53,8 @@ def worker(rank: int, port: int, args, out: str) -> None:
             bare, unlogged, logged = [], [], []
             block = max(every, 4)
             for r in range(args.rounds + 1):  # round 0 is the warm-up
-                times = [loop_step(nets[0], opts[0], loss_fn, x, y) for _ in range(block)]
-                mine = [(rec.step, loop_step(nets[1], opts[1], loss_fn, x, y, rec)) for _ in range(block)]
+                times = [timed_step(nets[0], opts[0], loss_fn, x, y) for _ in range(block)]
+                mine = [(rec.step, timed_step(nets[1], opts[1], loss_fn, x, y, rec)) for _ in range(block)]
                 if r:
                     bare += times
                     for step, t in mine:

@@ -26,15 +26,21 @@ from overhead import MODELS, make_batch  # noqa: E402
 import gradrepro  # noqa: E402
 
 
-def loop_step(net, opt, loss_fn, x, y, rec=None) -> float:
-    start = time.thread_time()
+def timed_step(net, opt, loss_fn, x, y, rec=None) -> tuple:
+    """One step of the README's loop (recorded when ``rec`` is given): (wall, CPU) seconds,
+    the CPU time of the training thread alone."""
+    wall, cpu = time.perf_counter(), time.thread_time()
     opt.zero_grad(set_to_none=True)
     loss = loss_fn(net(x), y)
     loss.backward()
     opt.step()
     if rec is not None:
         rec.log(loss=loss)
-    return time.thread_time() - start
+    return time.perf_counter() - wall, time.thread_time() - cpu
+
+
+def loop_step(net, opt, loss_fn, x, y, rec=None) -> float:
+    return timed_step(net, opt, loss_fn, x, y, rec)[1]
 
 
 def main() -> None:

@@ -3,7 +3,9 @@ tests do), and compose configs with Hydra's compose API."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 import os
 import subprocess
@@ -109,6 +111,32 @@ def flat_config(cfg) -> Dict[str, object]:
         return out
 
     return leaves(OmegaConf.to_container(cfg, resolve=True))
+
+
+class InProcessResult(CliResult):
+    """What ``gradrepro.train.pipeline.run`` left, read as a CLI run's (returncode 0, stdout)."""
+
+    def __init__(self, run_dir: Path, stdout: str) -> None:
+        self.returncode, self.stdout, self.stderr, self.run_dir = 0, stdout, "", Path(run_dir)
+
+
+@pytest.fixture
+def run_in_process(tmp_path):
+    """The experiment pipeline in this process (no CLI start-up), into a fresh folder under
+    tmp_path: ``run_in_process('experiment=x', 'scale=tiny')``. Tests of the command line
+    itself (exit codes, messages, Hydra's folders) use ``cli``."""
+    from gradrepro.train.pipeline import run
+
+    counter = iter(range(1000))
+
+    def _run(*overrides: str, **kwargs) -> InProcessResult:
+        run_dir = tmp_path / f"run{next(counter)}"
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            run(compose_config(list(overrides)), run_dir, list(overrides))
+        return InProcessResult(run_dir, out.getvalue())
+
+    return _run
 
 
 @pytest.fixture

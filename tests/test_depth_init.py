@@ -63,14 +63,14 @@ def assert_records_what_the_signature_reads(result, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["depth30_std001", *GLOROT])
-def test_tiny_run_records_what_the_signature_reads(cli, name):
-    assert_records_what_the_signature_reads(cli(f"experiment={name}", "scale=tiny"), name)
+def test_tiny_run_records_what_the_signature_reads(run_in_process, name):
+    assert_records_what_the_signature_reads(run_in_process(f"experiment={name}", "scale=tiny"), name)
 
 
-def test_reference_is_the_controls_own_init(cli):
+def test_reference_is_the_controls_own_init(run_in_process):
     """The control (Kaiming) measured as the reference of its own run: identical weights and
     first batch, so the constants equal the run's step-0 records."""
-    result = cli("experiment=depth30_kaiming", "scale=tiny")
+    result = run_in_process("experiment=depth30_kaiming", "scale=tiny")
     assert_records_what_the_signature_reads(result, "depth30_kaiming")
     constants = result.summary["constants"]
     step0 = result.modules[result.modules["step"] == 0].set_index(["module", "param"])
@@ -84,17 +84,17 @@ def test_reference_is_the_controls_own_init(cli):
     assert compared >= 3 * 30
 
 
-def test_xavier_reference_is_kaiming_and_differs_from_the_run(cli):
-    result = cli("experiment=depth30_xavier", "scale=tiny")
+def test_xavier_reference_is_kaiming_and_differs_from_the_run(run_in_process):
+    result = run_in_process("experiment=depth30_xavier", "scale=tiny")
     assert_records_what_the_signature_reads(result, "depth30_xavier")
     ref = result.summary["constants"]["reference/features.0.weight/grad_std"]
     own = result.modules.query("step == 0 and module == 'features.0' and param == 'weight'")
     assert ref > 10 * float(own["grad_std"].iloc[0])
 
 
-def test_vggb_attenuation_reproduces_and_he_control_does_not(cli):
-    fail = cli("experiment=he_vggb_attenuation", "scale=tiny", *VGGB_SMALL)
-    ctrl = cli("experiment=he_vggb_kaiming", "scale=tiny", *VGGB_SMALL)
+def test_vggb_attenuation_reproduces_and_he_control_does_not(run_in_process):
+    fail = run_in_process("experiment=he_vggb_attenuation", "scale=tiny", *VGGB_SMALL)
+    ctrl = run_in_process("experiment=he_vggb_kaiming", "scale=tiny", *VGGB_SMALL)
     assert fail.returncode == 0 and ctrl.returncode == 0, fail.stderr[-2000:] + ctrl.stderr[-2000:]
     sig_fail = signature_of("he_vggb_attenuation")
     sig_ctrl = signature_of("he_vggb_kaiming")
@@ -109,9 +109,9 @@ def test_vggb_attenuation_reproduces_and_he_control_does_not(cli):
 @pytest.mark.parametrize("failure,control", [("depth30_xavier", "depth30_kaiming"),
                                              ("depth30_std001", "depth30_kaiming"),
                                              ("glorot_standard", "glorot_normalized")])
-def test_default_scale_failure_reproduces_and_control_does_not(cli, failure, control, seed):
-    fail = cli(f"experiment={failure}", f"seed={seed}", timeout=900)
-    ctrl = cli(f"experiment={control}", f"seed={seed}", timeout=900)
+def test_default_scale_failure_reproduces_and_control_does_not(run_in_process, failure, control, seed):
+    fail = run_in_process(f"experiment={failure}", f"seed={seed}", timeout=900)
+    ctrl = run_in_process(f"experiment={control}", f"seed={seed}", timeout=900)
     assert fail.returncode == 0 and ctrl.returncode == 0
     sig_fail, sig_ctrl = signature_of(failure), signature_of(control)
     assert evaluate(sig_fail, records_of(fail)).reproduced, fail.summary["checks"]
@@ -122,9 +122,9 @@ def test_default_scale_failure_reproduces_and_control_does_not(cli, failure, con
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_default_scale_vggb_attenuation_on_every_seed(cli, seed):
-    fail = cli("experiment=he_vggb_attenuation", f"seed={seed}", timeout=900)
-    ctrl = cli("experiment=he_vggb_kaiming", f"seed={seed}", timeout=900)
+def test_default_scale_vggb_attenuation_on_every_seed(run_in_process, seed):
+    fail = run_in_process("experiment=he_vggb_attenuation", f"seed={seed}", timeout=900)
+    ctrl = run_in_process("experiment=he_vggb_kaiming", f"seed={seed}", timeout=900)
     assert fail.summary["reproduced"], fail.summary["checks"]
     assert ctrl.summary["reproduced"], ctrl.summary["checks"]
     assert not evaluate(signature_of("he_vggb_attenuation"), records_of(ctrl)).reproduced

@@ -201,8 +201,8 @@ def test_precision_experiment_runs_end_to_end_at_tiny_scale(tiny_runs, name):
     assert summary["constants"]["n_test"] == 64  # scale=tiny's held-out set
 
 
-def test_real_autocast_mode_runs_end_to_end_at_tiny_scale(cli):
-    result = cli("experiment=precision_fp16_dynamic", "precision.mode=fp16", "scale=tiny")
+def test_real_autocast_mode_runs_end_to_end_at_tiny_scale(run_in_process):
+    result = run_in_process("experiment=precision_fp16_dynamic", "precision.mode=fp16", "scale=tiny")
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.scalars["loss_scale"].dropna().iloc[0] == 65536.0
 
@@ -238,8 +238,8 @@ def test_a_reference_takes_the_overrides_both_experiments_share_and_not_the_knob
     assert shared_overrides(["precision=fp16"], "precision_fp16_scale8", "precision_fp32", compose) == []
 
 
-def test_reference_runs_are_made_by_the_run_and_recorded(cli):
-    result = cli("experiment=precision_fp16_scale8", "scale=tiny", "seed=3")
+def test_reference_runs_are_made_by_the_run_and_recorded(run_in_process):
+    result = run_in_process("experiment=precision_fp16_scale8", "scale=tiny", "seed=3")
     assert result.returncode == 0, result.stderr[-2000:]
     refs = result.summary["references"]
     assert set(refs) == {"fp32"}
