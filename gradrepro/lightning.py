@@ -23,7 +23,9 @@ from typing import Any, Optional
 
 import torch
 
+from gradrepro.errors import UserError
 from gradrepro.record import Recorder
+from gradrepro.records.claim import existing_run
 
 try:  # the unified package first; the standalone one where only it is installed
     from lightning.pytorch.callbacks import Callback
@@ -40,14 +42,18 @@ class Record(Callback):
 
     def __init__(self, run_dir: str | Path, every: int = 10, **options: Any) -> None:
         super().__init__()
-        self.run_dir, self.every, self.options = Path(run_dir), every, options
+        self.run_dir, self.every, self.options = Path(run_dir).expanduser(), every, options
+        found = existing_run(self.run_dir)  # refused here, in one line, before any training
+        if found is not None:
+            raise UserError(f"run folder {str(self.run_dir)!r} already holds a run ({found}): choose another "
+                            "folder, or move that run away first")
         self.recorder: Optional[Recorder] = None
         self._losses: list[torch.Tensor] = []
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
         scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
-        options = dict(self.options)
+        options = {"steps": _planned_steps(trainer), **self.options}  # the last step logged, as built-in runs do
         if "bf16" in str(getattr(trainer, "precision", "")):  # bf16-mixed, bf16-true: count what bf16 rounds away
             options.setdefault("bf16", True)
         self.recorder = Recorder(pl_module, optimizer, self.run_dir, self.every, scaler=scaler, hooks=False,
@@ -84,3 +90,12 @@ class Record(Callback):
         if self.recorder is not None:
             status = "interrupted" if isinstance(exception, KeyboardInterrupt) else "failed"
             self.recorder.close(status, exception)
+
+
+def _planned_steps(trainer: Any) -> Optional[int]:
+    """How many optimizer steps ``fit`` will take, where Lightning knows (None where it does not)."""
+    try:
+        steps = trainer.estimated_stepping_batches
+    except Exception:  # noqa: BLE001 - a loader without a length: the last step is not known
+        return None
+    return int(steps) if isinstance(steps, (int, float)) and 0 < steps < float("inf") else None

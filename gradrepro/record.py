@@ -47,19 +47,24 @@ from torch import nn
 
 from gradrepro.diagnose.live import LiveChecks
 from gradrepro.diagnose.over_steps import findings_over_steps
-from gradrepro.diagnose.report import Finding
+from gradrepro.diagnose.report import INFO, Finding
 from gradrepro.diagnose.scaled_clip import clipped_while_scaled
 from gradrepro.errors import UserError
 from gradrepro.probe import ranks
 from gradrepro.probe.config import ProbeConfig
 from gradrepro.probe.probe import Probe, ProbeStep, step_norms
 from gradrepro.probe.wrappers import autocast_bf16, has_bf16, is_compiled, run_eagerly, unwrap
+from gradrepro.records.claim import claim, release
 from gradrepro.records.figure import plot_signals
 from gradrepro.records.files import FIGURE, SUMMARY, ensure_writable_dir, write_json
 from gradrepro.records.provenance import versions
+from gradrepro.records.run import RUN_SCALARS
 from gradrepro.records.writer import Records, flush_seconds
 
 log = logging.getLogger(__name__)
+
+# Columns the recorder writes itself: rec.log() may not replace them (``loss`` is the user's).
+RESERVED = tuple(name for name in RUN_SCALARS if name != "loss")
 
 
 class Recorder:
@@ -70,8 +75,8 @@ class Recorder:
                  act_sample: int = 8, hooks: bool = True, bf16: Optional[bool] = None,
                  every_rank: bool = False, timeout: float = ranks.HANDSHAKE_SECONDS,
                  eager_logged_steps: bool = False, live: bool = True, on_finding: str = "warn",
-                 silence: Any = ()) -> None:
-        _check(model, optimizer, every)
+                 silence: Any = (), steps: Optional[int] = None) -> None:
+        _check(model, optimizer, every, steps)
         self.model, self.optimizer, self.scaler, self.every = model, optimizer, scaler, every
         self.run_dir = Path(run_dir)
         group = ranks.process_group()
@@ -79,42 +84,52 @@ class Recorder:
         if self.rank > 0 and every_rank:
             self.run_dir = self.run_dir.with_name(f"{self.run_dir.name}-rank{self.rank}")
         self._writes = self.rank == 0 or every_rank  # rank 0 writes the run folder
-        if self._writes:
-            ensure_writable_dir(self.run_dir)  # an unwritable folder is one line, before any step
-        self.name = name or self.run_dir.resolve().name
-        weight_decay = float(optimizer.param_groups[0].get("weight_decay", 0.0)) if optimizer else 0.0
-        cfg = ProbeConfig(every=every, activations=activations, act_sample=act_sample, task_contribution=False)
-        self.net = unwrap(model)  # DDP's and torch.compile's wrappers: the names of the model itself
-        self.probe = Probe(self.net, cfg, total_steps=None, weight_decay=weight_decay)
-        self.combiner = ranks.attach(self.probe, timeout)
-        # bf16 rounding: always, never, or (None) when a weight is bf16 or bf16 autocast is on.
-        self._bf16, self._bf16_weights = bf16, has_bf16(self.probe.params)
-        self.records = Records(self.run_dir)
-        # findings reported at the logged step they appear (diagnose.live)
-        self.live = (LiveChecks(model, optimizer, self.probe, scaler, self.run_dir, on_finding, silence)
-                     if live else None)
-        self.step = 0  # optimizer steps taken so far: the index of the step in progress
-        self.status: Optional[str] = None  # set by close()
-        self._begun = False
-        self._eager, self._restore = False, None  # eager logged steps of a compiled model (below)
-        self._current: Optional[ProbeStep] = None  # the logged step in progress
-        self._scalars: dict[str, Any] = {}  # rec.log() values of the step in progress
-        self._open_row: Optional[dict[str, Any]] = None  # the last logged step's row, open to rec.log()
-        self._start, self._last_flush, self._versions = time.perf_counter(), None, versions()
-        self._handles: list = []
-        if hooks:
-            if optimizer is None or not hasattr(optimizer, "register_step_pre_hook"):
-                raise UserError(f"{type(optimizer).__name__} has no step hooks (torch.optim.Optimizer, torch >= 2.0): "
-                                "pass hooks=False and call rec.begin(), rec.before_step() and rec.after_step() "
-                                "around each optimizer step")
-            # A compiled model's logged steps run eagerly when asked, so that its activations
-            # are recorded (hooks inside a compiled graph are left out: probe.py).
-            self._eager = eager_logged_steps and is_compiled(model)
-            self._handles = [model.register_forward_pre_hook(self._on_forward),
-                             model.register_forward_hook(self._after_forward),
-                             optimizer.register_step_pre_hook(lambda *_: self.before_step()),
-                             optimizer.register_step_post_hook(lambda *_: self.after_step())]
-        self._write_summary("running")
+        if self._writes:  # one run, one folder, as for the command line: claimed before anything is written
+            self.run_dir = claim(self.run_dir, "run folder", exclusive=True)
+        try:
+            if self._writes:
+                ensure_writable_dir(self.run_dir)  # an unwritable folder is one line, before any step
+            self.name = name or self.run_dir.resolve().name
+            weight_decay = float(optimizer.param_groups[0].get("weight_decay", 0.0)) if optimizer else 0.0
+            cfg = ProbeConfig(every=every, activations=activations, act_sample=act_sample, task_contribution=False)
+            self.net = unwrap(model)  # DDP's and torch.compile's wrappers: the names of the model itself
+            # ``steps`` known: the last step is logged, as in the built-in runs.
+            self.probe = Probe(self.net, cfg, total_steps=steps, weight_decay=weight_decay)
+            self.probe.carry_at_backward = True  # a loop may zero_grad() between forward and backward
+            self.combiner = ranks.attach(self.probe, timeout)
+            # bf16 rounding: always, never, or (None) when a weight is bf16 or bf16 autocast is on.
+            self._bf16, self._bf16_weights = bf16, has_bf16(self.probe.params)
+            self.records = Records(self.run_dir)
+            # findings reported at the logged step they appear (diagnose.live)
+            self.live = (LiveChecks(model, optimizer, self.probe, scaler, self.run_dir, on_finding, silence)
+                         if live else None)
+            self.step = 0  # optimizer steps taken so far: the index of the step in progress
+            self.status: Optional[str] = None  # set by close()
+            self._begun = False
+            self._eager, self._restore = False, None  # eager logged steps of a compiled model (below)
+            self._current: Optional[ProbeStep] = None  # the logged step in progress
+            self._scalars: dict[str, Any] = {}  # rec.log() values of the step in progress
+            self._open_row: Optional[dict[str, Any]] = None  # the last logged step's row, open to rec.log()
+            self._last_row: Optional[dict[str, Any]] = None  # the last unlogged step's scalars (read at close)
+            self._start, self._last_flush, self._versions = time.perf_counter(), None, versions()
+            self._handles: list = []
+            if hooks:
+                if optimizer is None or not hasattr(optimizer, "register_step_pre_hook"):
+                    raise UserError(f"{type(optimizer).__name__} has no step hooks (torch.optim.Optimizer, torch >= 2.0): "
+                                    "pass hooks=False and call rec.begin(), rec.before_step() and rec.after_step() "
+                                    "around each optimizer step")
+                # A compiled model's logged steps run eagerly when asked, so that its activations
+                # are recorded (hooks inside a compiled graph are left out: probe.py).
+                self._eager = eager_logged_steps and is_compiled(model)
+                self._handles = [model.register_forward_pre_hook(self._on_forward),
+                                 model.register_forward_hook(self._after_forward),
+                                 optimizer.register_step_pre_hook(lambda *_: self.before_step()),
+                                 optimizer.register_step_post_hook(lambda *_: self.after_step())]
+            self._write_summary("running")
+        except BaseException:
+            if self._writes:
+                release(self.run_dir)
+            raise
 
     # -- the step protocol: called by the hooks, or by you with hooks=False ------------------
     def _on_forward(self, module: nn.Module, args: Any) -> None:
@@ -163,6 +178,11 @@ class Recorder:
         self.begin()
         current, self._current = self._current, None
         scalars, self._scalars = self._scalars, {}
+        if current is None:  # the lr this step used (a scheduler may change it after the step)
+            lr = float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else math.nan
+            self._last_row = {**scalars, "step": self.step, "lr": lr}
+        else:
+            self._last_row = None
         if current is not None:
             current.__exit__(None, None, None)
             if current.columns is not None:
@@ -180,11 +200,17 @@ class Recorder:
     def log(self, **scalars: Any) -> None:
         """Scalars of the step in progress, or, after ``optimizer.step()``, of the step just
         taken. Numbers or one-element tensors; a tensor is read (one host sync) only when its
-        step is logged."""
+        step is logged. The recorder's own columns (``RESERVED``) are refused."""
+        taken = sorted(set(scalars) & set(RESERVED))
+        if taken:
+            raise UserError(f"rec.log({', '.join(taken)}=...): reserved column(s) the recorder writes itself "
+                            f"({', '.join(RESERVED)}); log under another name")
         if self._begun:
             self._scalars.update({k: v.detach() if torch.is_tensor(v) else v for k, v in scalars.items()})
         elif self._open_row is not None and self._open_row["step"] == self.step - 1:
             self._open_row.update({k: _number(v) for k, v in scalars.items()})
+        elif self._last_row is not None and self._last_row["step"] == self.step - 1:
+            self._last_row.update({k: v.detach() if torch.is_tensor(v) else v for k, v in scalars.items()})
 
     # -- the run folder -------------------------------------------------------------------------
     def _close_row(self) -> None:
@@ -233,16 +259,32 @@ class Recorder:
             self._current.__exit__(RuntimeError, None, None)  # disarms, records nothing
             self._current = None
         self._close_row()
+        self._close_last_row()
         self.status = status
         if not self._writes:
             return
-        self.records.flush()
-        self._write_summary(status, error)
         try:
-            plot_signals(self.records.scalars(), self.records.modules(), self.run_dir / FIGURE,
-                         f"{self.name} ({self.step} steps, {status})")
-        except Exception as exc:  # noqa: BLE001 - a figure never costs the records
-            log.warning("could not draw %s: %s", FIGURE, exc)
+            self.records.flush()
+            self._write_summary(status, error)
+            try:
+                plot_signals(self.records.scalars(), self.records.modules(), self.run_dir / FIGURE,
+                             f"{self.name} ({self.step} steps, {status})")
+            except Exception as exc:  # noqa: BLE001 - a figure never costs the records
+                log.warning("could not draw %s: %s", FIGURE, exc)
+        finally:
+            release(self.run_dir)
+
+    def _close_last_row(self) -> None:
+        """The last step taken, when the schedule did not log it: its scalars (``rec.log``
+        values, lr, loss scale) get a row, as the built-in runs log their last step. Its
+        per-module columns need the gradients before the update: pass ``steps=`` for those."""
+        row, self._last_row = self._last_row, None
+        if row is None or row["step"] != self.step - 1:
+            return
+        scale = float(self.scaler.get_scale()) if self.scaler is not None else 1.0  # read once, at the end
+        step, lr = row.pop("step"), row.pop("lr")
+        self.records.add_scalars({"step": step, "loss": math.nan, "lr": lr, "loss_scale": scale,
+                                  **{k: _number(v) for k, v in row.items()}})
 
     def __enter__(self) -> "Recorder":
         return self
@@ -267,7 +309,15 @@ class Recorder:
         over = ([clip] if clip is not None else []) + over
         seen = {(f.kind, f.name) for f in over}  # summarised over the steps: they stand for the live ones
         live = self.live.found if self.live is not None else []
-        return over + [f for f in live if (f.kind, f.name) not in seen]
+        found = over + [f for f in live if (f.kind, f.name) not in seen]
+        if found:
+            return found
+        # Said, not left blank: ``print(*rec.findings())`` on a healthy model prints this line.
+        logged = int(modules["step"].nunique()) if "step" in modules else 0
+        detail = (f"no findings over {logged} logged step(s): no parameter lacked a gradient or had a zero, tiny "
+                  "or non-finite one, and every one was updated" if logged
+                  else "no findings: no step has been logged yet, so there is nothing to judge")
+        return [Finding("no_findings", "(all parameters)", detail, severity=INFO)]
 
 
 def record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir: str | Path, every: int = 10,
@@ -280,17 +330,21 @@ def record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir
     the first logged step waits for every process's recorder), ``eager_logged_steps`` (a
     compiled model's logged steps run uncompiled, so that its activations are recorded);
     ``live`` (check findings on every logged step, default True), ``on_finding`` ("warn",
-    "raise" or "log") and ``silence`` (kinds not reported): see ``gradrepro.diagnose.live``."""
+    "raise" or "log") and ``silence`` (kinds not reported): see ``gradrepro.diagnose.live``;
+    ``steps`` (the number of steps the loop will take: the last one is then logged in full).
+    A folder that holds a run, or that another recording holds, is refused (UserError)."""
     return Recorder(model, optimizer, run_dir, every, **options)
 
 
-def _check(model: Any, optimizer: Any, every: Any) -> None:
+def _check(model: Any, optimizer: Any, every: Any, steps: Any = None) -> None:
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     if optimizer is not None and not hasattr(optimizer, "param_groups"):
         raise UserError(f"optimizer must be a torch.optim.Optimizer (or None), not {type(optimizer).__name__}")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise UserError(f"every={every!r} must be a whole number of steps >= 1")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise UserError(f"steps={steps!r} must be the whole number of steps the loop takes (>= 1), or None")
     if not any(True for _ in model.parameters()):
         raise UserError(f"{type(model).__name__} has no registered parameters: nothing to record")
 

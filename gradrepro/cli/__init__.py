@@ -10,7 +10,9 @@ by the preflight too.
 
 The run (or sweep) folder is claimed before Hydra writes into it (``records/claim.py``): a
 default name that exists already gets a suffix, a named folder that holds another run is
-refused. A signal (Ctrl-C, SIGTERM, SIGHUP) at any moment is one line and exit code 128 + its number;
+refused. The preflight claims it; the ``ClaimFolder`` callback (``cli/folder_claim.py``)
+claims it again on every path, ``HYDRA_FULL_ERROR=1`` included, and points Hydra at the
+folder claimed. A signal (Ctrl-C, SIGTERM, SIGHUP) at any moment is one line and exit code 128 + its number;
 once the run folder exists, its summary.json says ``interrupted``.
 """
 
@@ -31,6 +33,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from gradrepro.cli import preflight
+from gradrepro.cli.folder_claim import release_claimed
 from gradrepro.config.compose import CONFIG_DIR
 from gradrepro.config.schema import register_configs
 from gradrepro.errors import (
@@ -119,6 +122,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     finally:
         if folder is not None and folder.path is not None:
             release(folder.path)
+        release_claimed()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

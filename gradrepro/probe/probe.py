@@ -126,6 +126,9 @@ class Probe:
         # The probe's own running sum of fresh gradients over the first running_sum_steps steps.
         self._running: Optional[List[torch.Tensor]] = None
         self._summing = False
+        # True where the loop is not gradrepro's (the recorder): the carried part of .grad is
+        # read when backward reaches each parameter, not at the step's first forward pass.
+        self.carry_at_backward = False
 
     # -- the protocol ---------------------------------------------------------------------
     def logs(self, step: int) -> bool:
@@ -152,16 +155,47 @@ class Probe:
                 self._hook_fns = {name: self._forward_hook(name) for name in self.hooked}
             for name, module in self.hooked.items():
                 self._handles.append(module.register_forward_hook(self._hook_fns[name]))
+        self._summing = step < self.cfg.running_sum_steps
+        if self.carry_at_backward and hooks:
+            self._carry_when_backward_arrives()
+            return
         carried = [i for i, p in enumerate(self.params) if p.grad is not None]
         self._carrying = bool(carried)
         if carried:
             with torch.no_grad():
-                self._ensure_layout()
-                if self._carried is None:
-                    self._carried = self.layout.buffer(self.shapes, self._grads.flat.dtype)
-                self._carried.flat.zero_()
+                self._carry_buffer()
                 _copy_([self._carried.views[i] for i in carried], [_real(self.params[i].grad) for i in carried])
-        self._summing = step < self.cfg.running_sum_steps
+
+    def _carry_buffer(self) -> None:
+        self._ensure_layout()
+        if self._carried is None:
+            self._carried = self.layout.buffer(self.shapes, self._grads.flat.dtype)
+        self._carried.flat.zero_()
+
+    def _carry_when_backward_arrives(self) -> None:
+        """The carried part is what ``.grad`` holds when this step's first backward reaches each
+        parameter (a tensor hook runs before the gradient is accumulated into ``.grad``), not
+        what it held at the forward pass: a loop may call ``zero_grad()`` between the two."""
+        self._carrying = False
+        reached: set = set()
+
+        def hook_for(i: int):
+            def hook(grad: torch.Tensor) -> None:
+                param = self.params[i]
+                if i in reached or param.grad is None:
+                    reached.add(i)
+                    return
+                reached.add(i)
+                with torch.no_grad():
+                    if not self._carrying:
+                        self._carry_buffer()
+                        self._carrying = True
+                    self._carried.views[i].copy_(_real(param.grad))
+            return hook
+
+        for i, param in enumerate(self.params):
+            if param.requires_grad:
+                self._handles.append(param.register_hook(hook_for(i)))
 
     def _disarm(self) -> None:
         for handle in self._handles:

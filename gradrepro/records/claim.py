@@ -66,10 +66,15 @@ def existing_run(folder: Path, markers: Sequence[str] = RUN_MARKERS) -> Optional
     return None
 
 
-def claim(folder: Path, what: str = "run folder", markers: Sequence[str] = RUN_MARKERS) -> Path:
-    """Claim ``folder`` for this process (nested claims by the same process are allowed);
-    UserError if another process holds it or it already holds one of ``markers``."""
+def claim(folder: Path, what: str = "run folder", markers: Sequence[str] = RUN_MARKERS,
+          exclusive: bool = False) -> Path:
+    """Claim ``folder`` for this process (nested claims by the same process are allowed unless
+    ``exclusive``: two recorders in one process); UserError if another process (or, where
+    ``exclusive``, anything) holds it or it already holds one of ``markers``."""
     key = _key(folder)
+    if key in _held and exclusive:
+        raise UserError(f"{what} {str(key)!r} is in use by this process (another recording or run "
+                        "writes there): choose another folder")
     if key in _held:
         _held[key] += 1
         return key
