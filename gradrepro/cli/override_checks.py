@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gradrepro.cli.messages import explain
 from gradrepro.config.compose import Compose, group_options_recursive
+from gradrepro.config.schema import SCHEMA_SUFFIX
 from gradrepro.config.validate import check_reference_name, unknown_key_message, validate
 from gradrepro.errors import UserError
 from gradrepro.measure.reference_runs import reference_overrides
@@ -32,13 +33,24 @@ def _is_group(key: str, config_dir: Path) -> bool:
 
 
 def check_choice_names(overrides: Sequence[str], config_dir: Path) -> None:
-    """``group=NAME``: NAME is a config inside the group, never a path out of it."""
+    """``group=NAME``: NAME is a config inside the group, never a path out of it, never the
+    schema registered beside it (``mlp_schema``), and one name, not a list to merge."""
     for o in _parsed(overrides):
         group = o.key_or_group
         if not _is_group(group, config_dir) or isinstance(o.value(), Glob):
             continue
+        if not group.startswith("hydra/") and not o.is_sweep_override() and isinstance(o.value(), list):
+            # Hydra reads group=[a,b] as "merge a and b": one run, labelled as one of them.
+            listed = ",".join(map(str, o.value()))
+            raise UserError(f"{group}={o.value()!r} merges several {group} configs into one run, labelled as "
+                            f"one of them; choose one ({group}=NAME), or run each: -m {group}={listed}")
         values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.value()]
         for value in values:
+            if str(value).endswith(SCHEMA_SUFFIX) and not group.startswith("hydra/"):
+                options = group_options_recursive(group, config_dir)
+                if str(value) not in options:
+                    raise UserError(f"{group}={value!r} is the type schema behind a {group} choice, not a choice; "
+                                    f"valid choices: {', '.join(options)}")
             parts = PurePosixPath(str(value)).parts
             if str(value).startswith(("/", "\\")) or ".." in parts:
                 options = group_options_recursive(group, config_dir)

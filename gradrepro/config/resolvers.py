@@ -104,7 +104,11 @@ def run_subdir(override_dirname: str, seed: Any) -> str:
 
 
 def register_resolvers() -> None:
-    """Register ``calc``, ``run_subdir`` and ``cores_up_to`` with OmegaConf (idempotent)."""
-    for name, fn in (("calc", calc), ("run_subdir", run_subdir), ("cores_up_to", cores_up_to)):
+    """Register ``calc``, ``run_subdir``, ``cores_up_to`` and ``help_groups`` with OmegaConf
+    (idempotent)."""
+    from gradrepro.config.help_groups import help_groups
+
+    for name, fn in (("calc", calc), ("run_subdir", run_subdir), ("cores_up_to", cores_up_to),
+                     ("help_groups", help_groups)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

@@ -163,6 +163,7 @@ class Config:
 
 
 _registered = False
+SCHEMA_SUFFIX = "_schema"  # a choice's schema in the ConfigStore: internal, never a choice itself
 
 
 def register_configs() -> None:
@@ -175,5 +176,5 @@ def register_configs() -> None:
     store.store(name="base_config", node=Config)
     for group, choices in (("model", MODELS), ("data", DATA), ("objective", OBJECTIVES)):
         for name, (schema, _) in choices.items():
-            store.store(group=group, name=f"{name}_schema", node=schema)
+            store.store(group=group, name=f"{name}{SCHEMA_SUFFIX}", node=schema)
     _registered = True

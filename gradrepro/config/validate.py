@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from gradrepro.config.compose import group_options_recursive
 from gradrepro.config.resolvers import usable_cores
+from gradrepro.config.sizes import check_sizes
 from gradrepro.config.structure import check_flat_lists, undeclared_keys
 from gradrepro.data.cifar10 import check_cifar10_root
 from gradrepro.errors import UserError
@@ -52,6 +53,8 @@ def validate(cfg: Any) -> None:
     for key, valid in undeclared_keys(cfg)[:1]:
         raise UserError(unknown_key_message(key, valid, note="added with '+'"))
     check_flat_lists(cfg)
+    _check_name(cfg)
+    check_sizes(cfg)
     _check_ranges(cfg)
     _check_choices(cfg)
     _check_machine(cfg)
@@ -127,6 +130,7 @@ def _check_ranges(cfg: Any) -> None:
         _float32("precision.loss_scale", float(cfg.precision.loss_scale))
     _positive("precision.scaler_init_scale", cfg.precision.scaler_init_scale)
     _positive("precision.scaler_growth_interval", cfg.precision.scaler_growth_interval)
+    _float32("precision.loss_shift", float(cfg.precision.loss_shift))  # 2**200 is a power of two, inf in float32
     if not is_power_of_two(cfg.precision.loss_shift):
         raise UserError(
             f"precision.loss_shift={cfg.precision.loss_shift} must be a power of two (e.g. 2^-16 = "
@@ -161,6 +165,24 @@ def _check_machine(cfg: Any) -> None:
         raise UserError("device=cuda but no CUDA GPU is available here; use device=cpu or device=auto")
     if cfg.data.name == "cifar10":
         check_cifar10_root(os.path.expanduser(cfg.data.root))
+
+
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
+
+
+def _check_name(cfg: Any) -> None:
+    """``name`` labels the run (summary.json, compare) and is part of the default folder name:
+    a path separator would nest folders, an interpolation would label the run with whatever
+    it resolves to. A plain name only, or an experiment's own name (its config's path)."""
+    if OmegaConf.is_interpolation(cfg, "name"):
+        raise UserError(f"name={OmegaConf.to_container(cfg)['name']!r} is an interpolation: a run's name is "
+                        "written as is (letters, digits, '_', '-', '.', '+'), e.g. name=my_run")
+    name = cfg.name
+    if isinstance(name, str) and "/" in name and name in experiment_options():
+        return  # an experiment in a subfolder is named by its config's path (missing_grad/frozen)
+    if not isinstance(name, str) or not _PLAIN_NAME.match(name) or name in (".", ".."):
+        raise UserError(f"name={name!r} is not a plain name: letters, digits, '_', '-', '.', '+' only "
+                        "(no path separator, no spaces), e.g. name=my_run")
 
 
 def _check_paths(cfg: Any) -> None:

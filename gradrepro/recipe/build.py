@@ -23,6 +23,7 @@ from gradrepro.probe import Probe
 from gradrepro.recipe.forward_check import check_forward
 from gradrepro.recipe.init import initialize
 from gradrepro.recipe.mode_policy import hold_eval
+from gradrepro.recipe.module_prefixes import check_prefixes
 from gradrepro.recipe.optim import build_optimizer, freeze
 from gradrepro.recipe.precision import Precision
 
@@ -55,6 +56,8 @@ def build_untrained(cfg: Any) -> Untrained:
     objective = build_objective(cfg.objective)
     init_rng = torch.get_rng_state()
     net, facts = build_network(cfg, objective)
+    check_prefixes(net, "train.freeze", list(cfg.train.freeze))
+    check_prefixes(net, "train.eval_modules", list(cfg.train.eval_modules), parameters=False)
     frozen = freeze(net, list(cfg.train.freeze))
     optimizer, scheduler = build_optimizer(net, cfg.optim, cfg.train.steps)
     return Untrained(objective, net, frozen, optimizer, scheduler, init_rng, facts)
