@@ -1,5 +1,5 @@
 """``python -m gradrepro.compare PATH... [--by KEY ...] [--table T] [--signatures S] [--format F]
-[--out F] [--plot F.png]``
+[--out F] [--plot F.png] [--wide]``
 
 Reads any mix of run and sweep folders (recursively) and prints the comparison tables of
 ``analysis/tables.py``: runs, groups over seeds by the scientific knob, each ablation beside
@@ -28,6 +28,7 @@ from hydra.experimental.callback import Callback
 
 from gradrepro.analysis.checks import SIGNATURE_SOURCES
 from gradrepro.analysis.compare_figure import plot_runs
+from gradrepro.analysis.fit_width import WIDTH
 from gradrepro.analysis.tables import TABLES, build_tables, render
 from gradrepro.errors import UserError, exit_on_user_error
 from gradrepro.records.files import atomic_write, check_output_file, write_output
@@ -68,6 +69,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="group by these columns (default: experiment and the differing overrides)",
     )
     parser.add_argument("--format", choices=FORMATS, default="markdown")
+    parser.add_argument(
+        "--wide",
+        action="store_true",
+        help="markdown: each table in one piece with whole cells (default: blocks of columns that "
+        "fit 120 characters, long cells shortened to their end; csv always holds everything)",
+    )
     parser.add_argument(
         "--table",
         choices=("all", *TABLES),
@@ -122,7 +129,7 @@ def _compare_main(args: argparse.Namespace) -> int:
     if args.format == "csv":  # one table per file: each one pandas.read_csv reads
         _write_csv(tables, which, out, len(runs))
     else:
-        text = render(tables, args.format, which)
+        text = render(tables, args.format, which, width=None if args.wide else WIDTH)
         if out:
             write_output(out, lambda tmp: Path(tmp).write_text(text), "--out")
             print(f"wrote {out} ({len(runs)} runs)", file=sys.stderr)

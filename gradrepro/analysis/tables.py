@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -24,6 +25,8 @@ import numpy as np
 import pandas as pd
 
 from gradrepro.analysis.checks import checks_table, current_signature, margins_table
+from gradrepro.analysis.fit_width import WIDTH, markdown_within
+from gradrepro.analysis.versions import version_columns, version_warnings
 from gradrepro.records.reader import Run, signature_of
 from gradrepro.signature import evaluate
 
@@ -31,11 +34,33 @@ TABLES = ("runs", "groups", "pairs", "checks", "margins")
 _TAIL = ("final_loss", "steps", "wall_s")
 
 
+# A check's params that smooth one quantity (the mean of its last N values) rather than choose
+# another: they leave its column name as it is.
+_SMOOTHING = ("window",)
+
+
+def quantity(check: Dict[str, Any]) -> str:
+    """What a check measures, as a column name: the metric, qualified by the params that make
+    it another quantity (``knn_acc[reduce=change]`` is a gain, not an accuracy), so that one
+    column holds one quantity across runs."""
+    metric = str(check.get("metric"))
+    params = check.get("params") or {}
+    shown = sorted((str(k), v) for k, v in params.items() if k not in _SMOOTHING) if isinstance(params, dict) else []
+    if not shown:
+        return metric
+    return f"{metric}[{','.join(f'{k}={_short(v)}' for k, v in shown)}]"
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
 def check_keys(checks: Sequence[Dict[str, Any]]) -> List[str]:
-    """Column names for a signature's checks: the metric, ``metric#2`` for its second check."""
+    """Column names for a signature's checks: its quantity (``quantity``), ``...#2`` for a
+    second check of the same quantity."""
     keys, seen = [], {}
     for check in checks:
-        metric = str(check.get("metric"))
+        metric = quantity(check)
         seen[metric] = seen.get(metric, 0) + 1
         keys.append(metric if seen[metric] == 1 else f"{metric}#{seen[metric]}")
     return keys
@@ -89,8 +114,11 @@ def runs_table(runs: Sequence[Run]) -> pd.DataFrame:
             check_cols += [c for c in (key, f"{key} thr", f"{key} paper") if c not in check_cols]
         row.update(final_loss=run.final_loss, steps=s.get("steps"), wall_s=_float(s.get("wall_s")))
         rows.append(row)
+    software = version_columns(runs)  # only the versions that differ between the runs
+    for i, row in enumerate(rows):
+        row.update({name: values[i] for name, values in software.items()})
     head = ["run", "experiment", "control", *knobs, "seed", "status", "complete", "reproduced"]
-    df = pd.DataFrame(rows).reindex(columns=head + check_cols + list(_TAIL))
+    df = pd.DataFrame(rows).reindex(columns=head + check_cols + list(_TAIL) + list(software))
     for knob in knobs:  # override values are text: numbers compare and sort as numbers
         try:
             df[knob] = pd.to_numeric(df[knob])
@@ -220,6 +248,8 @@ def build_tables(
     """``{"runs": ..., "groups": ..., "pairs": ..., "checks": ..., "margins": ...}`` (``by``
     defaults to the knobs; ``signatures``: the runs' recorded ones or the package's current)."""
     runs_df = runs_table(runs)
+    if warnings is not None:
+        warnings.extend(version_warnings(runs, runs_df))
     by = list(by) if by else ["experiment", *runs_df.attrs["knobs"]]
     unknown = [k for k in by if k not in runs_df.columns]
     if unknown:
@@ -276,11 +306,21 @@ TITLES = {
 }
 
 
+def _markdown_title(title: str, width: Optional[int]) -> str:
+    """``## Name`` and, below it, the explanation in brackets, wrapped to ``width``."""
+    name, _, said = title.partition(" (")
+    if not said or width is None:
+        return f"## {title}\n"
+    return f"## {name}\n\n" + textwrap.fill(said.rstrip(")"), width) + "\n"
+
+
 def render(
-    tables: Dict[str, pd.DataFrame], fmt: str = "markdown", which: Sequence[str] = TABLES
+    tables: Dict[str, pd.DataFrame], fmt: str = "markdown", which: Sequence[str] = TABLES,
+    width: Optional[int] = WIDTH,
 ) -> str:
     """The chosen tables in ``fmt``; with several tables, one titled section each. CSV holds
-    one table (a file of several would be no CSV file): ValueError if asked for more."""
+    one table (a file of several would be no CSV file): ValueError if asked for more.
+    Markdown fits ``width`` columns (``fit_width``); ``width=None``: each table in one piece."""
     chosen = {k: tables[k] for k in which if k in tables and not tables[k].empty}
     if fmt == "json":
         return json.dumps(
@@ -294,6 +334,8 @@ def render(
     for name, df in chosen.items():
         if fmt == "latex":
             body = for_reading(df).to_latex(index=False, na_rep="", escape=True)
+        elif width is not None:
+            body = markdown_within(for_reading(df), width)
         else:
             body = for_reading(df).to_markdown(index=False, floatfmt=".4g", missingval="")
         if len(chosen) > 1:
@@ -304,7 +346,7 @@ def render(
                     TITLES[name].replace("Groups", f"Groups by {', '.join(df.attrs.get('by', []))}")
                 )
             )
-            head = {"markdown": f"## {title}\n", "latex": f"% {title}"}[fmt]
+            head = {"markdown": _markdown_title(title, width), "latex": f"% {title}"}[fmt]
             body = f"{head}\n{body}"
         parts.append(body.rstrip("\n"))
     return "\n\n".join(parts) + "\n"

@@ -1,0 +1,48 @@
+"""A markdown table that fits a terminal: a table wider than ``width`` characters is split
+into consecutive blocks of columns, each repeating the first column (the run or the group it
+describes), and a cell longer than ``MAX_CELL`` keeps its end (a run folder's distinctive
+part, ``.../seed=1``) behind an ellipsis. The long forms stay in ``--wide`` and in the csv."""
+
+from __future__ import annotations
+
+from typing import List
+
+import pandas as pd
+
+WIDTH = 120  # a terminal's columns (a common default width of terminals and of code review)
+MAX_CELL = 40  # the longest cell kept whole, so that at least two columns fit beside the key
+
+
+def _shorten(value: object) -> object:
+    text = str(value)
+    return value if len(text) <= MAX_CELL else "…" + text[-(MAX_CELL - 1):]
+
+
+def _column_width(df: pd.DataFrame, col: object) -> int:
+    cells = [len(str(v)) for v in df[col]]
+    return max([len(str(col)), *cells, 3]) + 3  # "| " before, " " after
+
+
+def markdown_within(df: pd.DataFrame, width: int = WIDTH) -> str:
+    """``df`` (text cells, as ``for_reading`` makes them) as one or more markdown tables, each
+    at most ``width`` characters wide where its columns allow."""
+    if df.empty or len(df.columns) == 0:
+        return df.to_markdown(index=False)
+    df = df.copy()
+    for col in df.columns:
+        df[col] = df[col].map(_shorten)
+    whole = df.to_markdown(index=False, missingval="")
+    if max(len(line) for line in whole.splitlines()) <= width:
+        return whole
+    key, rest = df.columns[0], list(df.columns[1:])
+    used = _column_width(df, key) + 1
+    blocks: List[List[object]] = [[]]
+    taken = used
+    for col in rest:
+        w = _column_width(df, col)
+        if blocks[-1] and taken + w > width:
+            blocks.append([])
+            taken = used
+        blocks[-1].append(col)
+        taken += w
+    return "\n\n".join(df[[key, *cols]].to_markdown(index=False, missingval="") for cols in blocks)
