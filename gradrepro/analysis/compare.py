@@ -31,7 +31,7 @@ from gradrepro.analysis.compare_figure import plot_runs
 from gradrepro.analysis.fit_width import WIDTH
 from gradrepro.analysis.tables import TABLES, build_tables, render
 from gradrepro.errors import UserError, exit_on_user_error
-from gradrepro.records.files import atomic_write, check_output_file, write_output
+from gradrepro.records.files import atomic_write, check_output_file, check_path_length, write_output
 from gradrepro.records.reader import Run, load_runs
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _compare_main(args: argparse.Namespace) -> int:
+    for path in args.paths:  # a name the file system cannot hold: one line, not a stat traceback
+        check_path_length(path, "PATH")
     out = check_output_file(args.out, "--out") if args.out else None
     plot = check_output_file(args.plot, "--plot") if args.plot else None
     try:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Dict, Iterator, Optional, Sequence
 
 from gradrepro.errors import UserError
-from gradrepro.records.files import MODULES, SCALARS, SUMMARY
+from gradrepro.records.files import MODULES, SCALARS, SUMMARY, check_path_length
 
 LOCK = ".gradrepro.lock"
 HYDRA_RECORD = str(Path(".hydra") / "config.yaml")
@@ -72,6 +72,7 @@ def claim(folder: Path, what: str = "run folder", markers: Sequence[str] = RUN_M
     ``exclusive``: two recorders in one process); UserError if another process (or, where
     ``exclusive``, anything) holds it or it already holds one of ``markers``."""
     key = _key(folder)
+    check_path_length(key, what)
     if key in _held and exclusive:
         raise UserError(f"{what} {str(key)!r} is in use by this process (another recording or run "
                         "writes there): choose another folder")
@@ -102,6 +103,7 @@ def claim_fresh(folder: Path, what: str = "run folder") -> Path:
     """Claim a folder that did not exist: ``folder``, else ``folder_2``, ``folder_3``, ...
     (``mkdir`` without ``exist_ok`` is atomic: two processes never get the same one)."""
     base = _key(folder)
+    check_path_length(base, what)
     for i in range(1, _MAX_SUFFIX):
         candidate = base if i == 1 else base.with_name(f"{base.name}_{i}")
         try:

@@ -75,12 +75,48 @@ def atomic_write(path: Path, write: Callable[[str], None]) -> None:
             os.unlink(tmp)
 
 
+# POSIX's minimums where the file system does not say (NAME_MAX 255 bytes, PATH_MAX 4096 on Linux).
+_NAME_MAX, _PATH_MAX = 255, 4096
+
+
+def _limit(path: Path, name: str, default: int) -> int:
+    existing = path
+    while existing != existing.parent:
+        try:
+            if existing.is_dir():
+                break
+        except OSError:
+            pass
+        existing = existing.parent
+    try:
+        return int(os.pathconf(existing, name))
+    except (OSError, ValueError, AttributeError):  # no pathconf (Windows), or no limit
+        return default
+
+
+def check_path_length(path: Path, what: str) -> None:
+    """A path the file system cannot even name (a component over NAME_MAX bytes, the whole over
+    PATH_MAX) is a UserError of one line, before any ``stat`` raises ENAMETOOLONG."""
+    path = Path(os.path.expanduser(str(path))).absolute()
+    name_max = _limit(path, "PC_NAME_MAX", _NAME_MAX)
+    for part in path.parts:
+        size = len(os.fsencode(part))
+        if size > name_max:
+            raise UserError(f"{what}: the name {part[:24] + '...'!r} is {size} bytes long; this file system "
+                            f"allows {name_max} per folder or file name: choose a shorter one")
+    path_max = _limit(path, "PC_PATH_MAX", _PATH_MAX)
+    if len(os.fsencode(str(path))) >= path_max:
+        raise UserError(f"{what}: the path is {len(os.fsencode(str(path)))} bytes long; this file system "
+                        f"allows fewer than {path_max}: choose a shorter one")
+
+
 def check_output_file(path: Path, what: str) -> Path:
     """The file an output option (``--out``, ``--plot``) may write: a new file, or an existing
     regular, writable one (a link to one: the file it names). A folder, a device, a FIFO or a
     read-only file is refused with a UserError; so is a folder that cannot hold the file.
     Returns the path to write (links resolved)."""
     path = Path(os.path.expanduser(str(path)))
+    check_path_length(path, what)
     if path.is_symlink() or path.exists():
         try:
             info = path.stat()
@@ -118,6 +154,7 @@ def check_writable_path(path: Path, what: str = "output folder") -> None:
     Creates nothing: used before a run starts (preflight), so that an unwritable output
     folder is one line, not a traceback after the data have loaded.
     """
+    check_path_length(path, what)
     path = Path(os.path.expanduser(str(path))).absolute()
     existing = path
     while not existing.exists() and existing != existing.parent:
