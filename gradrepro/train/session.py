@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from gradrepro.errors import stop_signals
+from gradrepro.train.progress_lines import ProgressLines
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +72,12 @@ class StopRequest:
             signal.signal(sig, handler)
 
 
-def progress(total: int, desc: str) -> tqdm:
-    # Quiet when output is not a terminal (CI, pipes, Hydra multirun logs).
-    return tqdm(total=total, desc=desc, disable=not sys.stderr.isatty(), leave=False, dynamic_ncols=True)
+def progress(total: int, desc: str) -> Any:
+    """A bar on a terminal; where standard error is not one (CI, pipes, logs, Hydra multirun),
+    a plain line at a fixed interval instead (``train/progress_lines.py``)."""
+    if not sys.stderr.isatty():
+        return ProgressLines(total, desc)
+    return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
 
 
 class SafeBar:
