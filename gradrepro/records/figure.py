@@ -8,11 +8,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+import matplotlib
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
 from gradrepro.records.files import atomic_write
+
+FONT_SIZE = 8  # one size for every text of the figure: titles, labels, ticks, threshold labels
+_ONE_SIZE = {key: FONT_SIZE for key in ("font.size", "axes.titlesize", "axes.labelsize", "xtick.labelsize",
+                                        "ytick.labelsize", "legend.fontsize", "figure.titlesize")}
 
 
 def module_grad_norms(modules: pd.DataFrame) -> pd.DataFrame:
@@ -49,6 +54,20 @@ def plot_signals(
 ) -> None:
     """The figure; ``checked``: the scalars the signature reads, with their thresholds
     (``checked_scalars``), each in its own small panel."""
+    fig = signals_figure(scalars, modules, title, key_scalar, checked)
+    atomic_write(Path(path), lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+
+
+def signals_figure(scalars: pd.DataFrame, modules: pd.DataFrame, title: str, key_scalar: Optional[str] = None,
+                   checked: Optional[Dict[str, List[float]]] = None) -> Figure:
+    """``plot_signals``'s figure, not saved: every text in one font size."""
+    with matplotlib.rc_context(_ONE_SIZE):
+        return _signals_figure(scalars, modules, title, key_scalar, checked)
+
+
+def _signals_figure(scalars: pd.DataFrame, modules: pd.DataFrame, title: str, key_scalar: Optional[str],
+                    checked: Optional[Dict[str, List[float]]]) -> Figure:
+    key_thresholds = (checked or {}).get(key_scalar, []) if key_scalar else []  # drawn on the loss panel
     checked = {k: v for k, v in (checked or {}).items() if k in scalars and k != key_scalar}
     fig = Figure(figsize=(13 + 3 * bool(checked), 5))  # no pyplot: the caller's backend stays as it is
     moving = scale_moves(scalars)
@@ -72,6 +91,7 @@ def plot_signals(
         ax_key = ax_loss.twinx()
         ax_key.plot(key["step"], key[key_scalar], color="tab:orange", marker=".", label=key_scalar)
         ax_key.set_ylabel(key_scalar, color="tab:orange")
+        draw_thresholds(ax_key, key_scalar, key_thresholds, color="tab:orange")
 
     if not modules.empty and "grad_norm" in modules:
         table = module_grad_norms(modules)
@@ -82,13 +102,22 @@ def plot_signals(
         steps = table.columns.to_numpy()
         ticks = np.linspace(0, len(steps) - 1, min(6, len(steps))).astype(int)
         ax_heat.set_xticks(ticks, [str(steps[t]) for t in ticks])
-        ax_heat.set_yticks(range(len(table.index)), table.index, fontsize=7)
+        ax_heat.set_yticks(range(len(table.index)), table.index)
         ax_heat.set_xlabel("step")
         ax_heat.set_title("log10 gradient norm per module (blank: none or zero)")
-        fig.colorbar(image, ax=ax_heat, fraction=0.04)
+        bar = fig.colorbar(image, ax=ax_heat, fraction=0.04)
+        bar.set_label("log10 gradient norm (L2 over the module's tensors)")
     fig.suptitle(title)
     fig.tight_layout()
-    atomic_write(Path(path), lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
+    return fig
+
+
+def draw_thresholds(ax, name: str, thresholds: Sequence[float], color: str = "gray") -> None:
+    """Each threshold a check compares ``name`` with, as a dashed line labelled with its value."""
+    for threshold in thresholds:
+        ax.axhline(threshold, color=color, linestyle="--", linewidth=0.8)
+        ax.annotate(f"{name} threshold {threshold:.3g}", xy=(0.99, threshold), xycoords=ax.get_yaxis_transform(),
+                    ha="right", va="bottom", color=color)
 
 
 def scale_moves(scalars: pd.DataFrame) -> bool:
@@ -113,9 +142,7 @@ def plot_checked(ax, scalars: pd.DataFrame, name: str, thresholds: Sequence[floa
     """One scalar a check reads, over steps, with the thresholds it is compared with."""
     rows = scalars.dropna(subset=[name])
     ax.plot(rows["step"], rows[name], color="tab:purple", marker="." if len(rows) < 30 else None)
-    for threshold in thresholds:
-        ax.axhline(threshold, color="gray", linestyle="--", linewidth=0.8)
-    ax.set_title(f"{name} (checked)", fontsize=8)
-    ax.tick_params(labelsize=7)
+    draw_thresholds(ax, name, thresholds)
+    ax.set_title(f"{name} (checked)")
     if last:
         ax.set_xlabel("step")
