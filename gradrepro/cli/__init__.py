@@ -34,6 +34,7 @@ from omegaconf import DictConfig
 
 from gradrepro.cli import preflight
 from gradrepro.cli.folder_claim import release_claimed
+from gradrepro.cli.sweep_names import exclude_fixed_knobs
 from gradrepro.config.compose import CONFIG_DIR
 from gradrepro.config.schema import register_configs
 from gradrepro.errors import (
@@ -154,6 +155,10 @@ def _prepare(argv: list) -> Optional[preflight.Checked]:
         if claimed != checked.path:  # a fresh name: Hydra must use the folder that was claimed
             sys.argv[1:] = [*argv, f"{checked.key}={claimed}"]
         checked.path = claimed
+    if checked.sweep:  # job folders named by what varied, not by every override
+        exclude = exclude_fixed_knobs(checked.overrides)
+        if exclude is not None:
+            sys.argv[1:] = [*sys.argv[1:], exclude]
     return checked
 
 
