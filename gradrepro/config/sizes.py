@@ -25,6 +25,8 @@ def _check_size(key: str, value: Any, allow_zero: bool) -> None:
 
 def check_sizes(cfg: Any) -> None:
     """Raise UserError for a model or head size below 1 (``num_classes`` below 0), naming the key."""
+    for key in ("channels", "image_size"):  # the data's shape feeds the model's first layer: named first
+        _check_size(f"data.{key}", OmegaConf.select(cfg, f"data.{key}"), False)
     for group in ("model", "objective"):
         node = cfg.get(group)
         if not isinstance(node, DictConfig):
@@ -33,8 +35,6 @@ def check_sizes(cfg: Any) -> None:
             allow_zero = key in ZERO_MEANS_NONE
             for i, item in enumerate(value) if isinstance(value, list) else [(None, value)]:
                 _check_size(f"{group}.{key}" + ("" if i is None else f"[{i}]"), item, allow_zero)
-    for key in ("channels", "image_size"):  # the data's shape feeds the model's first layer
-        _check_size(f"data.{key}", OmegaConf.select(cfg, f"data.{key}"), False)
 
 
 __all__ = ["check_sizes"]
