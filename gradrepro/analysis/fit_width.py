@@ -18,11 +18,6 @@ def _shorten(value: object) -> object:
     return value if len(text) <= MAX_CELL else "…" + text[-(MAX_CELL - 1):]
 
 
-def _column_width(df: pd.DataFrame, col: object) -> int:
-    cells = [len(str(v)) for v in df[col]]
-    return max([len(str(col)), *cells, 3]) + 3  # "| " before, " " after
-
-
 def markdown_within(df: pd.DataFrame, width: int = WIDTH) -> str:
     """``df`` (text cells, as ``for_reading`` makes them) as one or more markdown tables, each
     at most ``width`` characters wide where its columns allow."""
@@ -35,14 +30,13 @@ def markdown_within(df: pd.DataFrame, width: int = WIDTH) -> str:
     if max(len(line) for line in whole.splitlines()) <= width:
         return whole
     key, rest = df.columns[0], list(df.columns[1:])
-    used = _column_width(df, key) + 1
     blocks: List[List[object]] = [[]]
-    taken = used
-    for col in rest:
-        w = _column_width(df, col)
-        if blocks[-1] and taken + w > width:
+    for col in rest:  # greedy, measured as rendered (tabulate's padding is its own)
+        if blocks[-1] and _width(df[[key, *blocks[-1], col]]) > width:
             blocks.append([])
-            taken = used
         blocks[-1].append(col)
-        taken += w
     return "\n\n".join(df[[key, *cols]].to_markdown(index=False, missingval="") for cols in blocks)
+
+
+def _width(df: pd.DataFrame) -> int:
+    return max(len(line) for line in df.to_markdown(index=False, missingval="").splitlines())
