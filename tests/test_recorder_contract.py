@@ -113,11 +113,12 @@ def test_the_fresh_gradient_is_this_steps_backward_in_any_loop_order(tmp_path_fa
     model = mlp(seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     expected = {}  # step -> (norm of .grad before the optimizer step, norm of this step's backward alone)
-    with gradrepro.record(model, opt, run, every=every, activations=False) as rec:
+    with gradrepro.record(model, opt, run, every=every, activations=False):
         for step in range(steps):
             if order.startswith("zero_grad"):
                 opt.zero_grad()
-            losses = [F.cross_entropy(model(x), y) / micro for x, y in (batch(seed + 10 * step + k) for k in range(micro))]
+            micro_batches = [batch(seed + 10 * step + k) for k in range(micro)]
+            losses = [F.cross_entropy(model(x), y) / micro for x, y in micro_batches]
             if order.startswith("forward, zero_grad"):
                 opt.zero_grad()
             before = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]

@@ -64,7 +64,7 @@ def test_module_names_that_match_no_module_are_refused_naming_the_valid_ones(key
     if name in valid:
         build_untrained(cfg)
         return
-    line = refused(lambda: build_untrained(cfg), key, repr(name), "layers.0")  # the model's modules listed
+    refused(lambda: build_untrained(cfg), key, repr(name), "layers.0")  # the model's modules listed
 
 
 def test_the_module_names_an_experiment_uses_are_accepted():

@@ -39,7 +39,7 @@ from gradrepro.analysis.report_header import claim_sentence, control_sentence, r
 from gradrepro.analysis.tables import check_keys, for_reading
 from gradrepro.config.compose import compose, group_options_recursive
 from gradrepro.errors import exit_on_user_error
-from gradrepro.records.files import check_path_length, check_output_file, write_output
+from gradrepro.records.files import check_output_file, check_path_length, write_output
 from gradrepro.records.reader import Run
 
 # The folder that holds the gradrepro package: the sweep's processes import the same code.

@@ -24,6 +24,7 @@ def check_prefixes(net: nn.Module, key: str, prefixes: Sequence[str], parameters
             continue
         close = difflib.get_close_matches(prefix, sorted(names), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        shown = ", ".join(modules[:_LISTED]) + (f", ... ({len(modules) - _LISTED} more)" if len(modules) > _LISTED else "")
+        more = f", ... ({len(modules) - _LISTED} more)" if len(modules) > _LISTED else ""
+        shown = ", ".join(modules[:_LISTED]) + more
         raise UserError(f"{key}: {prefix!r} names no module{' or parameter' if parameters else ''} of this "
                         f"model{hint}; its modules: {shown or 'none'}")
