@@ -1,7 +1,8 @@
 """Model sizes: every width, depth, kernel and input size of the ``model`` and ``objective``
 nodes (the objective's heads: SimSiam's ``dim``, ``pred_dim``) is a whole number >= 1. A
-zero width builds without complaint in torch (``nn.Linear(4, 0)`` is a valid, empty layer) and then trains a network whose signal is cut, under the experiment's name; a
-negative one fails deep inside torch. ``num_classes`` alone may be 0 (a feature extractor)."""
+zero width builds without complaint in torch (``nn.Linear(4, 0)`` is a valid, empty layer)
+and then trains a network whose signal is cut, under the experiment's name; a negative one
+fails deep inside torch. ``num_classes`` alone may be 0 (a feature extractor)."""
 
 from __future__ import annotations
 
