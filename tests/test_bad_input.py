@@ -95,7 +95,7 @@ BAD_INPUTS = [
     (["init.scheme=he"], ["init.scheme", "kaiming"]),
     (["precision.mode=bf16"], ["precision.mode", "fp16"]),
     (["device=tpu"], ["device", "cpu", "cuda"]),
-    (["model.widths=[-1]"], ["cannot be built"]),
+    (["model.widths=[-1]"], ["model.widths[0]=-1", ">= 1"]),  # refused by the size check, before building
     (["model.activation=gelu"], ["model.activation='gelu'"]),
     (["~model"], ["model must be set", "mlp"]),
     # data that is not there

@@ -198,3 +198,31 @@ def test_a_healthy_model_says_no_findings(tmp_path):
         print(*rec.findings())
     assert "no findings" in out.getvalue() and out.getvalue().strip()
     assert [f.severity for f in rec.findings()] == ["info"]
+
+
+def test_in_lightning_the_fresh_gradient_is_the_steps_own(tmp_path):
+    """Lightning calls zero_grad inside its closure, after the forward pass: the gradient the
+    step left in .grad is not subtracted from the next one."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from gradrepro.lightning import Record
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def training_step(self, data, index):
+            return F.cross_entropy(self.net(data[0]), data[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    x, y = batch(0)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x.repeat(4, 1), y.repeat(4)), batch_size=8)
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[Record(tmp_path / "run", every=1)])
+    trainer.fit(Tiny(), loader)
+    scalars = pd.read_parquet(tmp_path / "run" / "scalars.parquet")
+    assert list(scalars["step"]) == [0, 1, 2, 3]
+    assert np.allclose(scalars["fresh_grad_norm"], scalars["grad_norm"], rtol=1e-5)
