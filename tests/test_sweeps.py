@@ -6,8 +6,8 @@ Each launcher runs one tiny sweep (shared fixtures); the compare tests reuse the
 from __future__ import annotations
 
 import json
-import re
 import math
+import re
 import shutil
 from pathlib import Path
 
