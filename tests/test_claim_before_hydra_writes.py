@@ -108,7 +108,7 @@ def test_the_callback_claims_the_folder_hydra_will_write(tmp_path_factory, monke
             return
         start(config=cfg)
         written = Path(os.path.abspath(OmegaConf.select(cfg, key)))  # where Hydra's run_job writes
-        assert written == target and claims.holds(written) and (written / claims.LOCK).exists()
+        assert written == target and claims.claimed_here(written) and (written / claims.LOCK).exists()
     finally:
         release_claimed()
     assert not (target / claims.LOCK).exists()

@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from matplotlib.text import Text
 
-from gradrepro.analysis.run_figure import FONT_SIZE, checked_scalars, signals_figure
 from gradrepro.cli.sweep_names import EXCLUDE_KEY, exclude_fixed_knobs
 from gradrepro.config.compose import composer
 from gradrepro.config.help_groups import help_groups
+from gradrepro.records.figure import FONT_SIZE, checked_scalars, signals_figure
 from gradrepro.train.progress_lines import ProgressLines
 
 

@@ -21,7 +21,7 @@ from gradrepro.data import DATA
 from gradrepro.errors import UserError
 from gradrepro.models import MODELS
 from gradrepro.objectives import OBJECTIVES
-from gradrepro.train.build import build_untrained
+from gradrepro.recipe.build import build_untrained
 
 FAST = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 _base = {}

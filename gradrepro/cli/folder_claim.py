@@ -20,7 +20,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf, open_dict, read_write
 
 from gradrepro.errors import EXIT_USER_ERROR, UserError
-from gradrepro.records.claim import claim, holds, release, runs_below
+from gradrepro.records.claim import claim, claimed_here, release, runs_below
 
 _claimed: List[Path] = []  # folders this callback claimed, released by ``release_claimed``
 
@@ -32,7 +32,7 @@ def _claim_key(config: Any, key: str, sweep: bool) -> Path:
         raise UserError(f"{key} is empty: it would write into the current folder; name a folder "
                         f"({key}=PATH) or leave the default")
     folder = Path(str(raw)).expanduser()
-    if sweep and not holds(folder):  # the preflight checked it already where it ran
+    if sweep and not claimed_here(folder):  # the preflight checked it already where it ran
         found = runs_below(folder)
         if found is not None:
             raise UserError(f"{key}={str(folder)!r} already holds runs ({str(found)!r}): "
