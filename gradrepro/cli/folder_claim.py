@@ -11,6 +11,7 @@ absolute path with ``~`` expanded, so a quoted ``~`` never becomes a folder name
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any, List
@@ -31,7 +32,9 @@ def _claim_key(config: Any, key: str, sweep: bool) -> Path:
     if raw is None or not str(raw).strip():
         raise UserError(f"{key} is empty: it would write into the current folder; name a folder "
                         f"({key}=PATH) or leave the default")
-    folder = Path(str(raw)).expanduser()
+    # As Hydra's run_job names it (os.path.abspath: 'sub/../a' is './a' even where 'sub' does
+    # not exist), with '~' expanded, which Hydra leaves to the shell.
+    folder = Path(os.path.abspath(os.path.expanduser(str(raw))))
     if sweep and not claimed_here(folder):  # the preflight checked it already where it ran
         found = runs_below(folder)
         if found is not None:

@@ -280,4 +280,4 @@ def check_output_dir(compose: Compose, config_name: str, overrides: list[str], m
         raise UserError(f"{key} is empty: it would write into the current folder; name a folder "
                         f"({key}=PATH) or leave the default")
     check_writable_path(Path(str(path)), key)
-    return Path(os.path.expanduser(str(path)))
+    return Path(os.path.abspath(os.path.expanduser(str(path))))  # as Hydra will name it: 'a/../b' is 'b'
