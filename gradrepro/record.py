@@ -116,8 +116,8 @@ class Recorder:
             if hooks:
                 if optimizer is None or not hasattr(optimizer, "register_step_pre_hook"):
                     raise UserError(f"{type(optimizer).__name__} has no step hooks (torch.optim.Optimizer, "
-                                    "torch >= 2.0): pass hooks=False and call rec.begin(), rec.before_step() and rec.after_step() "
-                                    "around each optimizer step")
+                                    "torch >= 2.0): pass hooks=False and call rec.begin(), rec.before_step() and "
+                                    "rec.after_step() around each optimizer step")
                 # A compiled model's logged steps run eagerly when asked, so that its activations
                 # are recorded (hooks inside a compiled graph are left out: probe.py).
                 self._eager = eager_logged_steps and is_compiled(model)
