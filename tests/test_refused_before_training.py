@@ -130,3 +130,13 @@ def test_a_plain_name_is_accepted(name):
 def test_the_command_line_refuses_an_experiment_list_in_one_line():
     proc = run_module("gradrepro", "experiment=[bn_none,bn_speedup]", "scale=tiny")
     assert_clean_error(proc.returncode, proc.stderr, "experiment", "-m experiment=bn_none,bn_speedup")
+
+
+@pytest.mark.parametrize("sweep", ["seed=0,0", "threads=1,2,1"])
+def test_a_sweep_that_lists_a_value_twice_is_refused_before_any_folder(tmp_path, sweep):
+    """Two jobs of one sweep with the same overrides would write one folder (the second
+    replacing the first's .hydra/ before its run is refused): refused before Hydra starts."""
+    proc = run_module("gradrepro", "-m", "experiment=bn_none", "scale=tiny", sweep,
+                      f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert_clean_error(proc.returncode, proc.stderr, "more than once", sweep)
+    assert not (tmp_path / "sweep").exists()

@@ -81,6 +81,10 @@ def check_launcher(argv: Sequence[str]) -> None:
                                 f"pip install -e '.[{extra}]'")
 
 
+class RepeatedSweepValue(UserError):
+    """A sweep that lists one value twice (``seed=0,0``)."""
+
+
 def _sweep_variants(overrides: list[str]) -> list[list[str]]:
     """Override lists to compose: each sweep value once, the other sweeps at their first value."""
     parsed = OverridesParser.create().parse_overrides(overrides)
@@ -91,6 +95,10 @@ def _sweep_variants(overrides: list[str]) -> list[list[str]]:
                 values = o.value().filter(group_options(o.get_key_element().lstrip("+~")))
             else:
                 values = list(o.sweep_string_iterator())
+            repeated = sorted({str(v) for v in values if list(values).count(v) > 1})
+            if repeated:  # two jobs of one sweep would share a folder and replace its records
+                raise RepeatedSweepValue(f"{raw} lists {', '.join(map(repr, repeated))} more than once: two jobs "
+                                         "would write one folder; list each value once")
             sweeps.append((o, values))
         else:
             base.append(raw)
@@ -169,6 +177,8 @@ def check(argv: Sequence[str], compose_only: bool = False) -> Checked:
     with composer(config_dir) as compose:
         try:
             variants = _sweep_variants(overrides)
+        except RepeatedSweepValue:
+            raise
         except Exception as exc:  # noqa: BLE001 - Hydra raises many types
             raise UserError(f"could not parse the overrides: {explain(exc)}") from None
         if len(variants) > 1 and not args.multirun:
