@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from typing import List
 
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.object_type import ObjectType
+
+SCHEMA_SUFFIX = "_schema"  # a choice's schema in the ConfigStore: internal, never a choice itself
+
 
 def help_groups() -> str:
     """``group: a, b, c`` per line, as Hydra's compact listing, schemas left out."""
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.object_type import ObjectType
-
-    from gradrepro.config.schema import SCHEMA_SUFFIX
-
     if not GlobalHydra.instance().is_initialized():
         return ""
     loader = GlobalHydra.instance().config_loader()

@@ -17,6 +17,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from gradrepro.config.help_groups import help_groups
+
 _OPS = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
@@ -106,8 +108,6 @@ def run_subdir(override_dirname: str, seed: Any) -> str:
 def register_resolvers() -> None:
     """Register ``calc``, ``run_subdir``, ``cores_up_to`` and ``help_groups`` with OmegaConf
     (idempotent)."""
-    from gradrepro.config.help_groups import help_groups
-
     for name, fn in (("calc", calc), ("run_subdir", run_subdir), ("cores_up_to", cores_up_to),
                      ("help_groups", help_groups)):
         if not OmegaConf.has_resolver(name):

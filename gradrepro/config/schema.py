@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from gradrepro.config.help_groups import SCHEMA_SUFFIX
 from gradrepro.config.resolvers import register_resolvers
 from gradrepro.data import DATA
 from gradrepro.models import MODELS
@@ -163,7 +164,6 @@ class Config:
 
 
 _registered = False
-SCHEMA_SUFFIX = "_schema"  # a choice's schema in the ConfigStore: internal, never a choice itself
 
 
 def register_configs() -> None:
