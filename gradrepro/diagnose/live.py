@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -102,6 +103,7 @@ class LiveChecks:
         self._means: list[torch.Tensor] = []
         self._handles: list = []
         self._start: Optional[tuple] = None  # (indices, carried norms, differences) at the last backward's start
+        self._marks: dict = {}  # parameter index -> (weak reference to its .grad, version) at the step's start
         self._end: Optional[tuple] = None  # (indices, norms) when the last backward ended
         self._scale: Optional[float] = None
         self._in_backward = False
@@ -110,6 +112,11 @@ class LiveChecks:
     def begin(self, step: int) -> None:
         """A logged step begins (before its first forward pass)."""
         self._hits, self._start, self._end, self._in_backward = [], None, None, False
+        # What .grad holds as the step begins, by identity and in-place version (weakly: a
+        # loop that sets .grad to None frees it): a backward that starts on the very same,
+        # unmodified tensor accumulates onto a gradient nothing reset.
+        self._marks = {i: (weakref.ref(p.grad), p.grad._version)
+                       for i, p in enumerate(self.probe.params) if p.grad is not None}
         self._watched = checks.drifting_norms(self._sensitive)
         self._means = [m.running_mean.detach().clone() for _, m in self._watched]
         self._handles.append(self.model.register_forward_hook(self._on_output))
@@ -159,14 +166,15 @@ class LiveChecks:
         .grad holds what earlier backward passes left."""
         if self._in_backward:
             return None
-        probe, self._start = self.probe, None
-        idx = [i for i, p in enumerate(probe.params) if p.grad is not None]
-        if idx and probe._carrying and probe._carried is not None:
+        params, self._start = self.probe.params, None
+        # Untouched since the step began: the same tensor (not set to None and rebuilt) at the
+        # same version (not zeroed or written in place). Its difference from then is exactly 0.
+        idx = [i for i, (ref, version) in self._marks.items()
+               if ref() is not None and ref() is params[i].grad and params[i].grad._version == version]
+        if idx:
             with torch.no_grad():
-                carried = [probe._carried.views[i] for i in idx]
-                now = [p_grad(probe.params[i]).to(c.dtype) for i, c in zip(idx, carried)]
-                diff = torch._foreach_sub(now, carried)
-                self._start = (idx, list(torch._foreach_norm(carried)), list(torch._foreach_norm(diff)))
+                norms = list(torch._foreach_norm([p_grad(params[i]) for i in idx]))
+            self._start = (idx, norms, [torch.zeros_like(n) for n in norms])
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
             self._in_backward = True
