@@ -176,7 +176,8 @@ def ddp_two_processes(_, record):
         try:
             for p in procs:
                 p.start()
-            rows = queue.get(timeout=120)
+            # Two spawned interpreters importing torch: minutes on a loaded 2-core machine.
+            rows = queue.get(timeout=600)
         finally:
             for p in procs:
                 p.join(timeout=30)
