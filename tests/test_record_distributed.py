@@ -88,7 +88,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
         notes["no_group"] = _error(lambda: gradrepro.record(sharded, adam(sharded.parameters()),
-                                                            os.path.join(out, "no_group")))
+                                                            os.path.join(out, f"no_group{rank}")))
     except Exception:  # noqa: BLE001 - the test reads what went wrong
         notes["crash"] = traceback.format_exc()
     finally:

@@ -152,7 +152,9 @@ def _prepare(argv: list) -> Optional[preflight.Checked]:
         except UserError:
             release(claimed)
             raise
-        if claimed != checked.path:  # a fresh name: Hydra must use the folder that was claimed
+        # Hydra must use the folder that was claimed: a fresh name, and any default name (Hydra
+        # resolves ${now:...} again, maybe a second later, which is another run's folder).
+        if claimed != checked.path or not checked.explicit:
             sys.argv[1:] = [*argv, f"{checked.key}={claimed}"]
         checked.path = claimed
     if checked.sweep:  # job folders named by what varied, not by every override

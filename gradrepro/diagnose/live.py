@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 from gradrepro.diagnose import live_checks as checks
 from gradrepro.diagnose.report import ERROR, NEXT_CHECK, WARNING, Finding
 from gradrepro.errors import UserError
+from gradrepro.probe.shards import local
 from gradrepro.records.files import write_json
 
 log = logging.getLogger(__name__)
@@ -253,8 +254,10 @@ def _user_level() -> int:
 
 
 def p_grad(p: torch.Tensor) -> torch.Tensor:
-    """A parameter's gradient as the probe summarises it (dense, real)."""
-    g = p.grad
+    """A parameter's gradient as the probe summarises it (dense, real), and of a sharded
+    (DTensor) gradient this process's shard: these checks ask whether this process's gradient
+    was reset or edited, which needs no collective."""
+    g = local(p.grad)
     if g.is_sparse:
         g = g.to_dense()
     return torch.view_as_real(g) if g.is_complex() else g
