@@ -15,6 +15,7 @@ from conftest import compose_config, composed, experiment_names, run_module
 
 from gradrepro.analysis.checks import checks_table, margin, margins_table
 from gradrepro.analysis.compare import compare
+from gradrepro.measure.reference_runs import made_references
 from gradrepro.records.reader import load_runs
 
 # A failure's signature: one evidence check on the loss, one relative to a reference run, one
@@ -45,14 +46,14 @@ def write_run(folder: Path, experiment: str, seed: int, loss: float, control: st
 
 
 def write_pair(root: Path, seed: int, failure_loss: float = 2.3, control_loss: float = 0.3,
-               control_reference: bool = False) -> None:
+               control_reference: bool = False, replicate_loss: float = 0.25) -> None:
     failure = write_run(root / f"failure_{seed}", "fail", seed, failure_loss, control="ok",
                         references={"healthy": "ok"}, signature=SIGNATURE)
     write_run(failure / "references" / "healthy", "ok", seed, control_loss)
     control = write_run(root / f"control_{seed}", "ok", seed, control_loss,
                         references={"healthy": "ok"} if control_reference else None)
-    if control_reference:
-        write_run(control / "references" / "healthy", "ok", seed, control_loss)
+    if control_reference:  # the control's reference to its own experiment: a replicate, another seed
+        write_run(control / "references" / "healthy", "ok", seed + 1_000_003, replicate_loss)
 
 
 def table(root: Path) -> pd.DataFrame:
@@ -74,15 +75,18 @@ def test_one_row_per_failure_seed_and_check_with_both_sides(tmp_path):
     assert context["role"] == "context" and context["ok_failure"] and context["ok_control"]
 
 
-def test_the_control_reads_its_own_reference_runs_and_borrows_what_it_lacks(tmp_path):
+def test_the_control_answers_with_its_own_reference_runs_and_nothing_is_lent(tmp_path):
     write_pair(tmp_path / "own", 0, control_reference=True)
-    write_pair(tmp_path / "lent", 0)
-    for where, refs in (("own", "own"), ("lent", "own; lent: healthy")):
-        row = table(tmp_path / where).query("check == '1: loss'").iloc[0]
-        assert row["control_refs"] == refs
-        assert row["observed_failure"] == pytest.approx(2.3 / 0.3)
-        assert row["observed_control"] == pytest.approx(1.0)  # the control against itself
-        assert row["ok_failure"] and row["ok_control"] is False
+    write_pair(tmp_path / "none", 0)
+    own = table(tmp_path / "own").query("check == '1: loss'").iloc[0]
+    assert own["observed_failure"] == pytest.approx(2.3 / 0.3)
+    assert own["observed_control"] == pytest.approx(0.3 / 0.25)  # against its replicate, not itself
+    assert own["ok_failure"] and own["ok_control"] is False
+    # Without a reference of its own the control cannot answer: n/a, never the failure's run lent.
+    bare = table(tmp_path / "none").query("check == '1: loss'").iloc[0]
+    assert bare["ok_failure"] and bare["ok_control"] is None and math.isnan(bare["observed_control"])
+    assert "healthy" in bare["note"] and "not recorded" in bare["note"]
+    assert "control_refs" not in bare.index
 
 
 def test_what_the_control_cannot_answer_is_na_never_a_failure(tmp_path):
@@ -154,6 +158,20 @@ def test_every_failure_experiment_has_an_evidence_check(experiment):
 
 
 
+REFERENCE_PARAMS = ("relative_to", "closer_to", "than", "reference")
+
+
+@pytest.mark.parametrize("experiment", failure_experiments())
+def test_every_control_makes_the_references_its_failures_checks_name(experiment):
+    # A control answers a relative check with a reference run of its own; one of its own
+    # experiment is a replicate with another seed (measure/reference_runs.py), never a copy.
+    control = composed(experiment, "scale=tiny").control
+    names = {c["params"][k] for c in declared(experiment)[1] for k in REFERENCE_PARAMS
+             if c.get("params") and c["params"].get(k)}
+    made = made_references(composed(control, "scale=tiny"))
+    assert names <= set(made), f"{control} makes no reference run named {sorted(names - set(made))}"
+
+
 def test_the_table_over_every_pair_of_the_suite_at_tiny_scale(tiny_runs):
     # At scale=tiny signatures need not discriminate: this checks the table, not the verdicts.
     tables, runs, _ = compare(list(tiny_runs.values()))
@@ -162,7 +180,7 @@ def test_the_table_over_every_pair_of_the_suite_at_tiny_scale(tiny_runs):
     assert sorted(checks["experiment"].unique()) == failures
     for experiment, rows in checks.groupby("experiment"):
         assert len(rows) == len(declared(experiment)[1]) and (rows["role"] == "evidence").any(), experiment
-        assert (rows["control_refs"].str.startswith("own")).all(), experiment  # its control was found
+        assert not rows["note"].str.startswith("no ").any(), experiment  # its control was found
         answered = rows["ok_control"].notna()
         assert (rows.loc[~answered, "observed_control"].isna()).all(), experiment  # n/a only when nothing observed
     assert set(tables["margins"]["experiment"]) == set(failures)

@@ -48,7 +48,8 @@ def write_fake_cifar10(root, per_batch: int = 8) -> None:
 def test_scale_cifar_runs_on_a_local_cifar10_folder(cli, tmp_path):
     write_fake_cifar10(tmp_path / "cifar")
     result = cli("experiment=simsiam_nostopgrad", "scale=cifar", "data=cifar10", f"data.root={tmp_path / 'cifar'}",
-                 "data.n_train=40", "data.n_test=8", "train.steps=2", "data.batch_size=8", "eval.every=2", "probe.every=1", "threads=1", "device=cpu")
+                 "data.n_train=40", "data.n_test=8", "train.steps=2", "data.batch_size=8", "eval.every=2",
+                 "probe.every=1", "threads=1", "device=cpu")
     assert result.returncode == 0, result.stderr[-3000:]
     summary, scalars = result.summary, result.scalars
     assert summary["status"] == "completed" and summary["steps"] == 2

@@ -34,7 +34,7 @@ def test_the_readme_sample_verdict_is_what_the_code_prints():
         value, threshold = observed[c["metric"]], float(c["threshold"])
         results.append(CheckResult(c["metric"], value, c["op"], threshold, holds(value, c["op"], threshold),
                                    c.get("paper"), "", dict(c.get("params") or {}), c.get("role") or "evidence"))
-    assert format_verdict(Verdict(decide(results), results), cfg.name).splitlines() == lines
+    assert format_verdict(Verdict(decide(results), results), cfg.name, cfg.claim_kind).splitlines() == lines
 
 
 def test_the_readme_says_what_no_and_NO_mean():

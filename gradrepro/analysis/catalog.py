@@ -26,7 +26,7 @@ from gradrepro.records.files import atomic_write
 
 BEGIN = "<!-- experiments: generated from the configs by `python -m gradrepro.analysis.catalog --write README.md` -->"
 END = "<!-- end of the generated experiments table -->"
-NOT_KNOBS = ("name", "control", "claim", "signature", "references", "paper", "key_scalar", "page", "citation")
+NOT_KNOBS = ("name", "control", "claim", "claim_kind", "signature", "references", "paper", "key_scalar", "page", "citation")
 GROUPS = ("model", "data", "objective", "optim", "init", "precision", "probe", "logger")
 
 
@@ -62,7 +62,7 @@ def knob(experiment: Dict[str, Any], control: Dict[str, Any]) -> List[str]:
 
 
 def catalog() -> pd.DataFrame:
-    """One row per failure experiment: experiment, control, knob, citation, page."""
+    """One row per failure experiment: experiment, control, claim kind, knob, citation, page."""
     with composer() as compose:
         configs = {name: _plain(compose([f"experiment={name}"], return_hydra_config=True))
                    for name in group_options_recursive("experiment")}
@@ -75,6 +75,7 @@ def catalog() -> pd.DataFrame:
         rows.append({
             "experiment": f"`{option}`",
             "control": f"`{by_name[cfg['control']]}`",
+            "claim": cfg["claim_kind"],
             "the one knob": ", ".join(f"`{k}`" for k in knob(cfg, control)),
             "source": cfg["citation"],
             "page": f"[{cfg['page']}]({cfg['page']})" if cfg["page"] else "",

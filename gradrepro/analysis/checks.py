@@ -3,11 +3,12 @@ its control's, seed by seed, and the margins table that summarises it over seeds
 
 A failure experiment's check is **evidence** when it holds on the failure and fails on the
 control (``ok_failure`` true, ``ok_control`` false); a **context** check is shown and never
-decides. The control is read with its own reference runs; a reference it did not make is lent
-by the failure run of the same seed (the same experiment's run, under the same name: a ratio to
-it reads 1 on the control), and the ``control_refs`` column says which were lent. A check the
-control's records cannot answer (nothing recorded, no such reference) reads n/a: ``ok_control``
-is empty, never counted as a failure.
+decides. The control answers with its own records and the reference runs it made itself
+(a control declares the references its failures' checks name; one of its own experiment is a
+replicate with another seed): nothing is lent, since a ratio of the control to a copy of itself
+reads 1 whatever happened. A check the control's records cannot answer (nothing recorded, a
+reference it did not make) reads n/a: ``ok_control`` is empty, never counted as a failure, and
+``note`` says why.
 
 ``signatures="current"`` evaluates the signatures of the package's configs (composed with each
 run's overrides) instead of the ones the runs recorded: new checks on runs recorded before.
@@ -23,13 +24,11 @@ from omegaconf import OmegaConf
 
 from gradrepro.config.compose import compose
 from gradrepro.records.reader import Run, signature_of
-from gradrepro.records.run import RunRecords
 from gradrepro.signature import evaluate
 
 SIGNATURE_SOURCES = ("recorded", "current")
-CHECK_COLUMNS = ("experiment", "control", "seed", "check", "role", "op", "threshold", "ok_failure",
-                 "ok_control", "observed_failure", "observed_control", "margin_failure", "margin_control",
-                 "control_refs", "note")
+CHECK_COLUMNS = ("experiment", "control", "claim_kind", "seed", "check", "role", "op", "threshold", "ok_failure",
+                 "ok_control", "observed_failure", "observed_control", "margin_failure", "margin_control", "note")
 
 
 def margin(observed: float, op: str, threshold: float) -> float:
@@ -55,14 +54,6 @@ def current_signature(run: Run, cache: Dict[Tuple[str, ...], Any]) -> Optional[D
         except Exception:  # noqa: BLE001 - a config that no longer composes: no signature
             cache[overrides] = None
     return cache[overrides]
-
-
-def with_lent_references(control: RunRecords, failure: RunRecords) -> Tuple[RunRecords, List[str]]:
-    """The control's records with the failure's reference runs it lacks added under the same
-    names; the names lent."""
-    lent = [name for name in failure.references if name not in control.references]
-    refs = {**control.references, **{name: failure.references[name] for name in lent}}
-    return RunRecords(control.scalars, control.modules, control.constants, refs), lent
 
 
 def _seed(run: Run) -> Any:
@@ -106,31 +97,29 @@ def checks_table(runs: Sequence[Run], knobs: Sequence[str] = (), signatures: str
         except Exception as exc:  # noqa: BLE001 - unreadable records: the run is left out
             _warn(warnings, f"{failure.path}: records unreadable ({type(exc).__name__}); left out")
             continue
-        theirs, lent, note = [None] * len(mine), [], ""
+        theirs, note = [None] * len(mine), ""
         if control is None:
             note = f"no {failure.control} run of this seed"
         else:
             try:
-                records, lent = with_lent_references(control.records(), failure_records)
-                theirs = evaluate(signature, records).checks
+                theirs = evaluate(signature, control.records()).checks  # its own references only
             except Exception as exc:  # noqa: BLE001
                 note = f"control records unreadable ({type(exc).__name__})"
-        refs = "own" + (f"; lent: {', '.join(lent)}" if lent else "")
         knob_values = {k: failure.overrides.get(k) for k in knobs}
         for i, (check, other) in enumerate(zip(mine, theirs)):
             observed_control = other.observed if other is not None else math.nan
             rows.append({
-                "experiment": failure.experiment, "control": failure.control, **knob_values,
+                "experiment": failure.experiment, "control": failure.control,
+                "claim_kind": failure.summary.get("claim_kind"), **knob_values,
                 "seed": _seed(failure), "check": f"{i}: {check.metric}", "role": check.role,
                 "op": check.op, "threshold": check.threshold, "ok_failure": check.ok,
                 "ok_control": None if math.isnan(observed_control) else other.ok,
                 "observed_failure": check.observed, "observed_control": observed_control,
                 "margin_failure": margin(check.observed, check.op, check.threshold),
                 "margin_control": -margin(observed_control, check.op, check.threshold),
-                "control_refs": refs if control is not None else "",
                 "note": note or (other.note if other is not None and math.isnan(observed_control) else ""),
             })
-    columns = [*CHECK_COLUMNS[:2], *knobs, *CHECK_COLUMNS[2:]]
+    columns = [*CHECK_COLUMNS[:3], *knobs, *CHECK_COLUMNS[3:]]
     return pd.DataFrame(rows, columns=columns)
 
 
@@ -140,7 +129,8 @@ def margins_table(checks: pd.DataFrame) -> pd.DataFrame:
     seed (margin on the control: how far it is on the failing side)."""
     if checks.empty:
         return pd.DataFrame()
-    keys = [c for c in checks.columns if c not in CHECK_COLUMNS or c in ("experiment", "control", "check")]
+    own = ("experiment", "control", "claim_kind", "check")
+    keys = [c for c in checks.columns if c not in CHECK_COLUMNS or c in own]
     rows = []
     for key, group in checks.groupby([*keys, "role", "op", "threshold"], sort=False, dropna=False):
         answered = group["ok_control"].dropna()

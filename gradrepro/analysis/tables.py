@@ -100,6 +100,7 @@ def runs_table(runs: Sequence[Run]) -> pd.DataFrame:
             "run": label,
             "experiment": run.experiment,
             "control": run.control,
+            "claim_kind": s.get("claim_kind"),
             **{k: run.overrides.get(k) for k in knobs},
             "seed": s.get("seed"),
             "status": run.status,
@@ -117,7 +118,7 @@ def runs_table(runs: Sequence[Run]) -> pd.DataFrame:
     software = version_columns(runs)  # only the versions that differ between the runs
     for i, row in enumerate(rows):
         row.update({name: values[i] for name, values in software.items()})
-    head = ["run", "experiment", "control", *knobs, "seed", "status", "complete", "reproduced"]
+    head = ["run", "experiment", "control", "claim_kind", *knobs, "seed", "status", "complete", "reproduced"]
     df = pd.DataFrame(rows).reindex(columns=head + check_cols + list(_TAIL) + list(software))
     for knob in knobs:  # override values are text: numbers compare and sort as numbers
         try:
@@ -144,7 +145,7 @@ def groups_table(runs_df: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
     checks = runs_df.attrs.get("checks", [])
     grouped = done.groupby(by, dropna=False, sort=False)
     n = grouped.size().rename("n")
-    text_cols = ["control"] + [c for col in checks for c in (f"{col} thr", f"{col} paper")]
+    text_cols = ["control", "claim_kind"] + [c for col in checks for c in (f"{col} thr", f"{col} paper")]
     first = grouped[[c for c in text_cols if c not in by]].first()
     reproduced = grouped["reproduced"].sum().astype(int).astype(str) + "/" + n.astype(str)
     incomplete = runs_df[~runs_df["complete"]].groupby(by, dropna=False, sort=False).size()
@@ -154,7 +155,7 @@ def groups_table(runs_df: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
     )
     out["incomplete"] = out["incomplete"].fillna(0).astype(int)
     out["n"] = out["n"].fillna(0).astype(int)
-    order = ["n", "reproduced", "incomplete", "control"]
+    order = ["n", "reproduced", "incomplete", "control", "claim_kind"]
     for col in [*checks, *_TAIL]:
         order += [
             c for c in (f"{col} mean", f"{col} std", f"{col} thr", f"{col} paper") if c in out
@@ -221,6 +222,7 @@ def pairs_table(
         row = dict(zip(["experiment", *knobs], key if isinstance(key, tuple) else (key,)))
         row.update(
             control=control,
+            claim_kind=group["claim_kind"].iloc[0],
             n=len(group),
             reproduced=f"{int(group['reproduced'].astype(bool).sum())}/{len(group)}",
             **{
@@ -297,11 +299,12 @@ def for_reading(df: pd.DataFrame) -> pd.DataFrame:
 
 TITLES = {
     "runs": "Runs",
-    "groups": "Groups (mean ± std over seeds; reproduced = seeds whose signature reproduced)",
+    "groups": "Groups (mean ± std over seeds; reproduced = seeds whose signature held: REPRODUCED for an "
+    "empirical claim, DEMONSTRATED for a mechanism)",
     "pairs": "Ablation vs control (the ablation's checks evaluated on both; "
     "control reproduced should be 0/n)",
-    "checks": "Checks (each ablation's checks on it and on its control, per seed; evidence: "
-    "ok_failure true and ok_control false)",
+    "checks": "Checks (each ablation's checks on it and on its control, per seed, the control with its own "
+    "reference runs; evidence: ok_failure true and ok_control false; n/a: the control cannot answer)",
     "margins": "Margins over seeds (min margin on the control: how far it is on the failing side)",
 }
 

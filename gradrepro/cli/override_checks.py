@@ -18,7 +18,7 @@ from gradrepro.config.compose import Compose, group_options_recursive
 from gradrepro.config.schema import SCHEMA_SUFFIX
 from gradrepro.config.validate import check_reference_name, unknown_key_message, validate
 from gradrepro.errors import UserError
-from gradrepro.measure.reference_runs import reference_overrides
+from gradrepro.measure.reference_runs import made_references, reference_overrides
 
 
 def _parsed(overrides: Sequence[str]) -> list:
@@ -87,7 +87,7 @@ def check_deletions(compose: Compose, overrides: Sequence[str], config_name: str
 def check_references(compose: Compose, cfg: DictConfig, config_name: str) -> None:
     """Each reference run is composed and validated as the run will compose it (same seed,
     scale, device, threads and steps), so a misspelt experiment is refused before training."""
-    for name, experiment in (cfg.references or {}).items():
+    for name, experiment in made_references(cfg).items():
         check_reference_name(name)
         overrides = reference_overrides(cfg, [], experiment)
         try:

@@ -135,6 +135,9 @@ class Config:
     name: str = "unnamed"  # the experiment's name, set by each experiment file
     control: Optional[str] = None  # the experiment this one is compared to
     claim: str = ""  # one line: what the run should show
+    # What the verdict proves (records/summary_schema.py, CLAIM_KINDS): empirical (a paper's
+    # measured result: REPRODUCED) or mechanism (a documented behaviour: DEMONSTRATED).
+    claim_kind: Optional[str] = None
     citation: str = ""  # where the claim comes from, short: "Chen & He 2021, Sec. 4.1, Fig. 2"
     page: Optional[str] = None  # the experiment's page: experiments/NAME.md
     seed: int = 0
@@ -156,7 +159,9 @@ class Config:
     signature: SignatureConfig = field(default_factory=SignatureConfig)
     # Reference runs, name -> experiment: run after this one with the same seed, scale,
     # device and step budget, into run_dir/references/NAME, for checks ``relative_to`` NAME.
-    references: Dict[str, str] = field(default_factory=dict)
+    # A reference to the run's own experiment is an independent replicate (another seed); null
+    # drops a reference inherited from the control's config.
+    references: Dict[str, Optional[str]] = field(default_factory=dict)
     paper: Dict[str, Any] = field(default_factory=dict)
 
 

@@ -23,12 +23,14 @@ from gradrepro.config.structure import check_flat_lists, undeclared_keys
 from gradrepro.data.cifar10 import check_cifar10_root
 from gradrepro.errors import UserError
 from gradrepro.measure import MEASUREMENTS, produced_by
+from gradrepro.measure.reference_runs import made_references
 from gradrepro.objectives import OBJECTIVES
 from gradrepro.recipe.init import INIT_MODES, INIT_SCHEMES
 from gradrepro.recipe.optim import OPTIMIZERS, SCHEDULES
 from gradrepro.recipe.precision import PRECISION_MODES, is_power_of_two
 from gradrepro.records import LOGGERS, tensorboard_available
 from gradrepro.records.run import RUN_CONSTANTS, RUN_SCALARS
+from gradrepro.records.summary_schema import CLAIM_KINDS
 from gradrepro.signature import DIFFERENCES, METRIC_NEEDS, METRICS, OPS, ROLES, TRANSFORMS
 
 
@@ -148,6 +150,8 @@ def _check_choices(cfg: Any) -> None:
     _choice("precision.mode", cfg.precision.mode, PRECISION_MODES)
     _choice("device", cfg.device, ("auto", "cpu", "cuda"))
     _choice("logger.name", cfg.logger.name, LOGGERS)
+    if cfg.signature.checks:  # a verdict says what it proves
+        _choice("claim_kind", cfg.claim_kind, CLAIM_KINDS)
     for i, check in enumerate(cfg.signature.checks):
         _choice(f"signature.checks[{i}].op", check.op, tuple(OPS))
         _choice(f"signature.checks[{i}].role", check.role, ROLES)
@@ -216,8 +220,9 @@ def experiment_options() -> List[str]:
 def _check_references(cfg: Any) -> None:
     """Reference runs name experiments that exist, under plain folder names."""
     options = None
-    for name, experiment in (cfg.references or {}).items():
+    for name in cfg.references or {}:
         check_reference_name(name)
+    for name, experiment in made_references(cfg).items():  # null: an inherited one dropped
         options = options or experiment_options()
         if not isinstance(experiment, str) or experiment not in options:
             raise UserError(f"references.{name}={experiment!r} is not an experiment"
@@ -250,7 +255,7 @@ def _check_signature(cfg: Any) -> None:
     """A check must read something the run records, and compare with a reference it makes."""
     produced = produced_names(cfg)
     literal = sorted(n for n in produced if not any(c in n for c in "*?["))
-    references = list(cfg.references)
+    references = list(made_references(cfg))
     for i, check in enumerate(cfg.signature.checks):
         params = check.get("params") or {}
         name = check.metric if check.metric in METRICS else params.get("column", check.metric)

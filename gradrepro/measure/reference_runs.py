@@ -4,6 +4,12 @@ experiments share (data, model, the fp16 path), into ``run_dir/references/NAME``
 a check ``relative_to: NAME`` ("final loss at least 2x fp32's") still reads only what this
 run recorded.
 
+A control makes the references its failures' checks name, so that it answers those checks
+with runs of its own. Where that reference is the control's own experiment, a run with the
+same seed would be a bit-identical copy (a ratio of 1, a distance of 0: no measurement), so
+it is an independent **replicate**: the same config with another seed (``replicate_seed``),
+and the check then reads what the run's own seed-to-seed noise gives.
+
 The runs are made by the pipeline's own ``run_experiment`` and ``compose``, which the run
 hands down in its ``RunContext``: this layer never imports the layers above it."""
 
@@ -29,9 +35,26 @@ log = logging.getLogger(__name__)
 # comparable (seed, device, threads, step budget, scale), not the knob under study.
 REFERENCE_CARRY = ("seed", "device", "threads", "train.steps")
 REFERENCE_MARK = "+_reference_of"
+# A replicate's seed: this far from the run's own, so no seed a sweep lists beside it is reused.
+REPLICATE_SEED_OFFSET = 1_000_003
 
 TrainFn = Callable[[DictConfig, Path, Sequence[str]], Dict[str, Any]]
 ComposeFn = Callable[[Sequence[str]], DictConfig]
+
+
+def made_references(cfg: Any) -> Dict[str, str]:
+    """The references this run makes: ``references`` without the entries set to null (an
+    inherited reference the experiment drops)."""
+    return {name: exp for name, exp in (cfg.references or {}).items() if exp is not None}
+
+
+def is_replicate(cfg: Any, experiment: str) -> bool:
+    """Whether a reference to ``experiment`` is a replicate of the run's own experiment."""
+    return experiment == cfg.name
+
+
+def replicate_seed(seed: int) -> int:
+    return (int(seed) + REPLICATE_SEED_OFFSET) % 2**32
 
 
 def is_reference(overrides: Sequence[str]) -> bool:
@@ -45,6 +68,8 @@ def reference_overrides(cfg: DictConfig, overrides: Sequence[str], experiment: s
     with the run that asks for it (``compose`` composes the two experiments to find that;
     without command-line overrides it is not needed)."""
     carried = [f"{key}={OmegaConf.select(cfg, key)}" for key in REFERENCE_CARRY]
+    if is_replicate(cfg, experiment):
+        carried[0] = f"seed={replicate_seed(cfg.seed)}"
     scale = [o for o in overrides if o.startswith("scale=")]
     own = next((o.partition("=")[2] for o in overrides if o.startswith("experiment=")), None)
     shared = shared_overrides(overrides, own, experiment, compose) if own and compose else []
@@ -71,7 +96,7 @@ class ReferenceRuns(Measurement):
 
     @staticmethod
     def enabled(cfg: Any) -> bool:
-        return bool(cfg.references)
+        return bool(made_references(cfg))
 
     def __init__(self, ctx: RunContext) -> None:
         super().__init__(ctx)
@@ -100,7 +125,7 @@ def run_references(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], tra
     series: no verdict is ever computed against a cut-short reference, so its records are
     left out of ``records`` (its folder and summary stay)."""
     out = References()
-    for name, experiment in cfg.references.items():
+    for name, experiment in made_references(cfg).items():
         ref_overrides = reference_overrides(cfg, overrides, experiment, compose)
         ref_dir = run_dir / "references" / name
         log.info("reference %s: experiment=%s", name, experiment)
@@ -115,7 +140,8 @@ def run_references(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], tra
             break
         out.runs[name] = {"experiment": experiment, "overrides": ref_overrides,
                           "status": summary["status"], "wall_s": summary.get("wall_s"),
-                          "run_dir": f"references/{name}"}
+                          "run_dir": f"references/{name}", "seed": summary.get("seed"),
+                          "replicate": is_replicate(cfg, experiment)}
         if summary["status"] == "interrupted":
             break
         ref = read_run(ref_dir)

@@ -14,8 +14,9 @@ import pandas as pd
 RUN_SCALARS = ("step", "loss", "lr", "loss_scale", "skipped_steps", "scale_growths", "scale_backoffs",
                "grad_norm", "fresh_grad_norm")
 
-# The constants a run records in summary.json besides the objective's ``*_init`` values: the held-out size, and the network's shape facts (each
-# weight's fans and init std, recipe/init.py) where an init scheme drew the weights.
+# The constants a run records in summary.json besides the objective's ``*_init`` values: the
+# held-out size, and the network's shape facts (each weight's fans and init std, recipe/init.py)
+# where an init scheme drew the weights.
 RUN_CONSTANTS = ("n_test", "init/*")
 
 

@@ -13,6 +13,11 @@ from gradrepro.records.files import INFINITIES
 
 STATUSES = ("completed", "diverged", "interrupted", "failed", "running", "device_mismatch")
 OPS = ("<=", "<", ">=", ">")
+# What a verdict proves. empirical: a paper's measured result, REPRODUCED by a measurement that
+# could have come out either way. mechanism: a documented behaviour (of PyTorch, of a bug, of a
+# derivation), DEMONSTRATED by its symptom in the records and, where one exists, the detector
+# that names it.
+CLAIM_KINDS = ("empirical", "mechanism")
 # Counts and indices in a summary are 64-bit at most (steps, seeds, stopped_at).
 _MAX_INT = 2**63 - 1
 _MAX_TEXT = 100_000
@@ -161,6 +166,8 @@ def check_summary(summary: Any) -> Dict[str, Any]:
     count("stopped_at", s.get("stopped_at"))
     number("wall_s", s.get("wall_s"))
     text("claim", s.get("claim"), optional=True)
+    if s.get("claim_kind") is not None and s["claim_kind"] not in CLAIM_KINDS:
+        _fail("claim_kind", f"one of {', '.join(CLAIM_KINDS)}", s["claim_kind"])
     text("error", s.get("error"), optional=True)
     items("checks", s.get("checks"), list)
     for i, check in enumerate(s.get("checks") or []):
@@ -180,4 +187,4 @@ def check_summary(summary: Any) -> Dict[str, Any]:
     return summary
 
 
-__all__: List[str] = ["STATUSES", "SummaryError", "check_entry", "check_summary", "signature_entry"]
+__all__: List[str] = ["CLAIM_KINDS", "STATUSES", "SummaryError", "check_entry", "check_summary", "signature_entry"]

@@ -8,6 +8,7 @@ from gradrepro.signature.evaluate import (
     OPS,
     ROLES,
     TRANSFORMS,
+    VERDICT_WORDS,
     CheckResult,
     Verdict,
     decide,
@@ -16,8 +17,10 @@ from gradrepro.signature.evaluate import (
     metric_ratio,
     observe,
     reduce_series,
+    verdict_word,
 )
 from gradrepro.signature.registry import METRIC_NEEDS, METRICS, metric
 
-__all__ = ["DIFFERENCES", "METRIC_NEEDS", "METRICS", "OPS", "ROLES", "TRANSFORMS", "CheckResult", "Verdict", "decide",
-           "evaluate", "format_verdict", "metric", "metric_ratio", "observe", "reduce_series"]
+__all__ = ["DIFFERENCES", "METRIC_NEEDS", "METRICS", "OPS", "ROLES", "TRANSFORMS", "VERDICT_WORDS", "CheckResult",
+           "Verdict", "decide", "evaluate", "format_verdict", "metric", "metric_ratio", "observe", "reduce_series",
+           "verdict_word"]

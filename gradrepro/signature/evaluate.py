@@ -24,6 +24,7 @@ import pandas as pd
 import gradrepro.signature.metrics  # noqa: F401 - every family registers its metrics
 from gradrepro.numerics import ratio
 from gradrepro.records.run import RunRecords
+from gradrepro.records.summary_schema import CLAIM_KINDS
 from gradrepro.signature.registry import METRICS, why_nan
 
 ROLES = ("evidence", "context")
@@ -167,8 +168,24 @@ def decide(results: List[CheckResult]) -> bool:
     return bool(evidence) and all(r.ok for r in evidence)
 
 
-def format_verdict(verdict: Verdict, name: str) -> str:
-    """The short table printed at the end of a run."""
+# The verdict's word by claim kind (held, not held): a measurement reproduces a paper's result;
+# a symptom demonstrates a mechanism, which no run of ours could refute.
+VERDICT_WORDS = {"empirical": ("REPRODUCED", "not reproduced"), "mechanism": ("DEMONSTRATED", "not demonstrated")}
+# What each kind's verdict is about, printed beside it.
+KIND_NOTES = {"empirical": "an empirical claim: a published measurement, measured again",
+              "mechanism": "a mechanism: its symptom in the records, not a measurement of a paper's result"}
+assert set(VERDICT_WORDS) == set(KIND_NOTES) == set(CLAIM_KINDS)
+
+
+def verdict_word(reproduced: Optional[bool], claim_kind: Optional[str]) -> str:
+    """REPRODUCED / DEMONSTRATED (or their negations) for a claim of this kind; a run without a
+    kind (a recording of the user's own loop) reads as empirical."""
+    held, not_held = VERDICT_WORDS.get(claim_kind or "empirical", VERDICT_WORDS["empirical"])
+    return held if reproduced else not_held
+
+
+def format_verdict(verdict: Verdict, name: str, claim_kind: Optional[str] = "empirical") -> str:
+    """The short table printed at the end of a run, headed by what the verdict proves."""
     rows = [
         {
             "metric": c.metric,
@@ -181,6 +198,7 @@ def format_verdict(verdict: Verdict, name: str) -> str:
         for c in verdict.checks
     ]
     table = pd.DataFrame(rows).to_string(index=False) if rows else "(no checks)"
-    head = f"{name}: signature {'REPRODUCED' if verdict.reproduced else 'not reproduced'}"
+    kind = claim_kind or "empirical"
+    head = f"{name}: signature {verdict_word(verdict.reproduced, kind)} ({KIND_NOTES.get(kind, kind)})"
     return f"{head}\n{table}"
 

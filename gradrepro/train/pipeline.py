@@ -191,7 +191,7 @@ def _print_result(cfg: DictConfig, t: Training, verdict: Any, outcome: Outcome, 
     if outcome.status == "interrupted":
         print(f"{cfg.name}: interrupted ({summary.get('signal')}); no verdict")
     else:
-        print(format_verdict(verdict, cfg.name))
+        print(format_verdict(verdict, cfg.name, cfg.claim_kind))
     if t.device_mismatch is not None:
         m = t.device_mismatch
         print(f"device mismatch at the first forward pass: {', '.join(m.tensors)} stayed on "
