@@ -26,7 +26,8 @@ from gradrepro.records.files import atomic_write
 
 BEGIN = "<!-- experiments: generated from the configs by `python -m gradrepro.analysis.catalog --write README.md` -->"
 END = "<!-- end of the generated experiments table -->"
-NOT_KNOBS = ("name", "control", "claim", "claim_kind", "signature", "references", "paper", "key_scalar", "page", "citation")
+NOT_KNOBS = ("name", "control", "claim", "claim_kind", "signature", "references", "paper", "key_scalar", "page",
+             "citation")
 GROUPS = ("model", "data", "objective", "optim", "init", "precision", "probe", "logger")
 
 
