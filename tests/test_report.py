@@ -9,6 +9,9 @@ import pandas as pd
 import pytest
 from conftest import compose_config, experiment_names, run_module
 
+from gradrepro.analysis.evidence_report import recorded_hash
+from gradrepro.records.provenance import source_hash
+
 
 def test_report_selects_experiments_from_configs_and_adds_controls():
     from gradrepro.analysis.report import select_experiments
@@ -22,13 +25,13 @@ def test_report_selects_experiments_from_configs_and_adds_controls():
 def test_sweep_command_is_one_joblib_multirun(tmp_path):
     from gradrepro.analysis.report import sweep_command
 
-    cmd = sweep_command(["a", "b"], 3, 2, tmp_path, ["scale=tiny"])
+    cmd = sweep_command(["a", "b"], [100, 101, 102], 2, tmp_path, ["scale=tiny"])
     assert cmd[1:] == [
         "-m",
         "gradrepro",
         "-m",
         "experiment=a,b",
-        "seed=0,1,2",
+        "seed=100,101,102",
         "hydra/launcher=joblib",
         "hydra.launcher.n_jobs=2",
         f"hydra.sweep.dir={tmp_path}",
@@ -44,7 +47,7 @@ def test_report_from_a_sweep_has_one_row_per_claim_and_a_figure_per_experiment(
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = (tmp_path / "README.md").read_text()
-    claims = text.split("## Experiments")[0]
+    claims = text.split("## Every check, over the seeds")[1].split("## Experiments")[0]
     rows = [line for line in claims.splitlines() if line.startswith("| simsiam_")]
     expected = {
         name: compose_config([f"experiment={name}"]).signature.checks
@@ -61,6 +64,12 @@ def test_report_from_a_sweep_has_one_row_per_claim_and_a_figure_per_experiment(
     for name in expected:
         assert (tmp_path / "figures" / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
         assert f"](figures/{name}.png)" in text
+    # What the verdicts prove: the claim kinds, the margins of the pair, the judging code's hash.
+    assert recorded_hash(text) == source_hash()
+    proof = text.split("## What the verdicts prove")[1].split("## Every check, over the seeds")[0]
+    assert "- Experiments: 2; 2 empirical." in proof
+    margins = [line for line in proof.splitlines() if line.startswith("| simsiam_nostopgrad ")]
+    assert len(margins) == len(expected["simsiam_nostopgrad"]) and all("| 0 1 " in line for line in margins)
 
 
 @pytest.mark.slow
@@ -71,7 +80,8 @@ def test_quick_report_runs_the_sweep_and_writes_the_readme(tmp_path):
         "--experiments",
         "simsiam_nostopgrad",
         "--seeds",
-        "2",
+        "0",
+        "1",
         "--jobs",
         "2",
         "--out",
@@ -84,7 +94,7 @@ def test_quick_report_runs_the_sweep_and_writes_the_readme(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = (tmp_path / "results" / "README.md").read_text()
     assert text.startswith("# Reference results (QUICK")
-    claims = text.split("## Experiments")[0]
+    claims = text.split("## Every check, over the seeds")[1].split("## Experiments")[0]
     assert claims.count("| simsiam_nostopgrad ") == len(
         compose_config(["experiment=simsiam_nostopgrad"]).signature.checks
     )

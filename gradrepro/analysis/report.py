@@ -1,12 +1,16 @@
 """``python -m gradrepro.report``: the reference reproduction table in ``results/README.md``.
 
 Runs every experiment (the list comes from ``gradrepro/configs/experiment/**.yaml``) at its default
-scale with 3 seeds, as one Hydra multirun on the joblib launcher, then writes:
+scale on seeds no knob was chosen on (``DEFAULT_SEEDS``; each experiment's page says which seeds
+its knobs were chosen on), as one Hydra multirun on the joblib launcher, then writes:
 
-- ``results/README.md``: one row per published claim (each signature check of each
-  experiment, with the paper's reference beside it): the paper value, the measured value
-  (mean ± std over seeds), how many seeds passed the check, the experiment's verdict, and the
-  command that reproduces it; the claims and sources of each experiment; the measured time;
+- ``results/README.md``: what the verdicts prove (claim kinds; every failure's checks against
+  its control over the seeds, the margins table; ``analysis/evidence_report.py``), under the
+  hash of the configs and signature code that judged the runs; one row per published claim
+  (each signature check of each experiment, with the paper's reference beside it): the paper
+  value, the measured value (mean ± std over seeds), how many seeds passed the check, the
+  experiment's verdict, and the command that reproduces it; the claims and sources of each
+  experiment; the measured time;
 - ``results/figures/<experiment>.png``: the experiment's runs beside its control's runs
   (loss curves and per-module gradient norm; gradrepro.compare's ``--plot``).
 
@@ -35,16 +39,27 @@ import pandas as pd
 import gradrepro
 from gradrepro.analysis.compare import compare
 from gradrepro.analysis.compare_figure import plot_runs
-from gradrepro.analysis.report_header import claim_sentence, control_sentence, runs_sentence, scale_of
+from gradrepro.analysis.evidence_report import evidence_section
+from gradrepro.analysis.report_header import (
+    claim_sentence,
+    commits_sentence,
+    control_sentence,
+    runs_sentence,
+    scale_of,
+)
 from gradrepro.analysis.tables import check_keys, for_reading
 from gradrepro.config.compose import compose, group_options_recursive
 from gradrepro.errors import exit_on_user_error
 from gradrepro.records.files import check_output_file, check_path_length, write_output
+from gradrepro.records.provenance import source_hash
 from gradrepro.records.reader import Run
 
 # The folder that holds the gradrepro package: the sweep's processes import the same code.
 PACKAGE_PARENT = Path(gradrepro.__file__).resolve().parent.parent
 EXIT_FAILED = 1
+# Seeds no knob of any experiment was chosen on (the pages list the seeds each was chosen on:
+# 0 to 7 at most).
+DEFAULT_SEEDS = (100, 101)
 
 
 def select_experiments(patterns: Optional[Sequence[str]]) -> List[str]:
@@ -71,7 +86,7 @@ def _control_of(name: str) -> Optional[str]:
 
 
 def sweep_command(
-    experiments: Sequence[str], seeds: int, jobs: int, sweep_dir: Path, extra: Sequence[str] = ()
+    experiments: Sequence[str], seeds: Sequence[int], jobs: int, sweep_dir: Path, extra: Sequence[str] = ()
 ) -> List[str]:
     """The one multirun that produces every run of the report."""
     return [
@@ -80,7 +95,7 @@ def sweep_command(
         "gradrepro",
         "-m",
         f"experiment={','.join(experiments)}",
-        f"seed={','.join(str(s) for s in range(seeds))}",
+        f"seed={','.join(str(s) for s in seeds)}",
         "hydra/launcher=joblib",
         f"hydra.launcher.n_jobs={jobs}",
         f"hydra.sweep.dir={sweep_dir}",
@@ -107,6 +122,7 @@ def claims_table(
         done = group[group["complete"].astype(bool)]
         run = runs[group.index[0]]
         checks = run.summary.get("checks") or []
+        kind = run.summary.get("claim_kind") or ""
         verdict = f"{int(done['reproduced'].astype(bool).sum())}/{len(done)} seeds"
         if len(done) < len(group):
             verdict += f" ({len(group) - len(done)} incomplete)"
@@ -126,12 +142,14 @@ def claims_table(
             rows.append(
                 {
                     "experiment": experiment,
+                    "claim": kind,
+                    "role": check.get("role") or "evidence",
                     "check": f"{check.get('metric')} {check.get('op')} "
                     f"{float(check.get('threshold')):.4g}",
                     "paper": check.get("paper") or "",
                     "measured (mean ± std)": _mean_std(done[key]) if key in done else "n/a",
                     "check passed": f"{ok}/{len(done)}",
-                    "signature reproduced": verdict,
+                    "signature held": verdict,
                     "command": "" if run.summary.get("recorded_by") else "`python -m gradrepro experiment="
                     f"{run.overrides.get('experiment', experiment)}"
                     f"{suffix}`",
@@ -156,17 +174,19 @@ def _figures(runs: Sequence[Run], out_dir: Path, warnings: List[str]) -> Dict[st
 
 def write_report(
     runs: Sequence[Run],
-    runs_df: pd.DataFrame,
+    tables: Dict[str, pd.DataFrame],
     out_dir: Path,
     header: str,
     extra: Sequence[str] = (),
     warnings: Optional[List[str]] = None,
 ) -> Path:
-    """``out_dir/README.md`` and ``out_dir/figures/*.png`` from the loaded runs."""
+    """``out_dir/README.md`` and ``out_dir/figures/*.png`` from the loaded runs and their tables."""
     warnings = warnings if warnings is not None else []
+    runs_df = tables["runs"]
     figures = _figures(runs, out_dir, warnings)
     table = claims_table(runs, runs_df, extra)
-    lines = [header, "", table.to_markdown(index=False), "", "## Experiments", ""]
+    lines = [header, "", *evidence_section(runs, tables, source_hash()), "## Every check, over the seeds", "",
+             table.to_markdown(index=False), "", "## Experiments", ""]
     for name in sorted(figures):
         run = next(r for r in runs if r.experiment == name)
         paper = run.summary.get("paper") or {}
@@ -204,7 +224,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="only these experiments (fnmatch patterns; their controls are added)",
     )
     parser.add_argument(
-        "--seeds", type=int, default=3, help="seeds 0..N-1 per experiment (default 3)"
+        "--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS), metavar="SEED",
+        help=f"the seeds of every experiment (default {' '.join(map(str, DEFAULT_SEEDS))}: seeds no knob "
+        "was chosen on)",
     )
     parser.add_argument(
         "--jobs",
@@ -237,8 +259,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "overrides", nargs="*", help="extra overrides for every run (e.g. threads=1)"
     )
     args = parser.parse_args(argv)
-    if min(args.seeds, args.jobs, args.threads) < 1:
-        parser.error("--seeds, --jobs and --threads must be >= 1")
+    if min(args.jobs, args.threads) < 1 or min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds):
+        parser.error("--jobs and --threads must be >= 1, and --seeds distinct numbers >= 0")
     return exit_on_user_error("gradrepro.report", _report_main, args)  # an unwritable output: one line
 
 
@@ -285,17 +307,19 @@ def _report_main(args: argparse.Namespace) -> int:
             + (" (QUICK: scale=tiny, a pipeline check, not a reproduction)" if tiny else ""),
             "",
             f"Generated by `python -m gradrepro.report{' --quick' if args.quick else ''}` on "
-            f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC: {runs_sentence(runs, tables['runs'])}; {how}",
+            f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC: {runs_sentence(runs, tables['runs'])}; {how} "
+            f"{commits_sentence(runs)}",
             "",
             "Measured values are the mean ± std over seeds of each check's observed value; "
-            "'check passed' counts the seeds where that check held; 'signature reproduced' counts "
-            "the seeds where every check of the experiment held. Paper values are references "
+            "'check passed' counts the seeds where that check held; 'signature held' counts "
+            "the seeds where every evidence check of the experiment held (REPRODUCED for an empirical "
+            "claim, DEMONSTRATED for a mechanism). Paper values are references "
             "from the cited papers (often at a far larger scale), never measured here."
             if any(run.summary.get("checks") for run in runs)
             else "No run read has a signature (checks): there is no table of claims.",
         ]
     )
-    path = write_report(runs, tables["runs"], Path(args.out), header, extra, warnings)
+    path = write_report(runs, tables, Path(args.out), header, extra, warnings)
     for line in warnings:
         print(f"gradrepro.report: warning: {line}", file=sys.stderr)
     print(f"gradrepro.report: wrote {path} ({len(runs)} runs, {minutes:.1f} min)", file=sys.stderr)

@@ -59,3 +59,12 @@ def control_sentence(name: str, runs: Sequence[Run]) -> str:
 def claim_sentence(run: Run) -> str:
     claim = str(run.summary.get("claim") or "").strip()
     return f"{claim.rstrip('.')}." if claim else "No claim recorded."
+
+
+def commits_sentence(runs: Sequence[Run]) -> str:
+    """Which commits of gradrepro made the runs, from their recorded versions."""
+    commits = sorted({str((run.summary.get("versions") or {}).get("git_commit") or "unknown") for run in runs})
+    short = [c[:10] for c in commits]
+    if len(commits) == 1:
+        return f"Made at commit {short[0]}." if commits[0] != "unknown" else "The commit is not recorded."
+    return f"Made at {len(commits)} commits ({', '.join(short)}): not one commit."
