@@ -1,0 +1,55 @@
+"""results/README.md is current and shows the flip: it was made by ``python -m gradrepro.report`` at
+one commit, by the configs and signature code the package has now (their hash is in the file),
+on every experiment there is, and in its margins table every empirical failure's evidence checks
+held on the failure and failed on its control (answered by the control's own references) on
+every seed. Regenerate it with ``python -m gradrepro.report`` when a config or the signature
+code changes."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pandas as pd
+from conftest import ROOT, composed, experiment_names
+
+from gradrepro.analysis.evidence_report import recorded_hash
+from gradrepro.records.provenance import source_hash
+
+RESULTS = ROOT / "results" / "README.md"
+
+
+def margins_rows() -> pd.DataFrame:
+    """The margins table of results/README.md's section on what the verdicts prove."""
+    text = RESULTS.read_text()
+    section = text.split("## What the verdicts prove")[1].split("## Every check, over the seeds")[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    lines = [line for i, line in enumerate(lines) if i != 1]  # the |:---| rule
+    table = "\n".join(line.strip().strip("|") for line in lines)
+    return pd.read_csv(io.StringIO(table), sep=r"\s*\|\s*", engine="python", dtype=str).apply(
+        lambda col: col.str.strip())
+
+
+def test_the_reference_table_was_made_by_the_current_configs_and_signature_code():
+    assert recorded_hash(RESULTS.read_text()) == source_hash(), (
+        "results/README.md was made by other configs or signature code than the package's: "
+        "regenerate it with `python -m gradrepro.report`")
+
+
+def test_the_reference_table_was_made_at_one_commit_on_every_experiment():
+    text = RESULTS.read_text()
+    assert re.search(r"Made at commit [0-9a-f]{10}\.", text), "the runs did not come from one commit"
+    failures = {e for e in experiment_names() if composed(e).control}
+    assert set(margins_rows()["experiment"]) == failures
+
+
+def test_in_the_reference_table_every_empirical_evidence_check_flips_on_every_seed():
+    rows = margins_rows().query("role == 'evidence' and claim_kind == 'empirical'")
+    assert not rows.empty
+    for row in rows.to_dict("records"):
+        where = f"{row['experiment']} {row['check']}"
+        held, seeds = row["holds_on_failure"].split("/")
+        failed, answered = row["fails_on_control"].split("/")
+        assert held == seeds, f"{where}: held on the failure on {held} of {seeds} seeds"
+        assert answered == seeds and row["control_n/a"] == "0", f"{where}: the control could not answer it"
+        assert failed == answered, f"{where}: held on the control on some seed"
