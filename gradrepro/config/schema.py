@@ -30,6 +30,14 @@ class TrainConfig:
     # every backward (torch.Tensor.backward docs: gradients accumulate in the leaves).
     zero_grad: bool = True
     grad_clip: Optional[float] = None
+    # Gradient accumulation: the batch is split into this many equal micro-batches, each one
+    # forward and backward (.grad sums them), then one optimizer step. 1: the whole batch at once.
+    accumulate: int = 1
+    # How each micro-batch's loss, a mean over its items (tokens, or examples), is weighted before
+    # its backward: total_tokens (its items / the batch's: the full batch's gradient) or
+    # per_micro_batch_mean (1 / accumulate: the mean of the micro-batch means, which differs from
+    # it when micro-batches hold different numbers of tokens; gradrepro/objectives/base.py).
+    accumulate_norm: str = "total_tokens"
     # Modules (name prefixes) whose parameters are frozen: requires_grad=False and left out
     # of the optimizer (SimSiam Table 1b freezes the predictor at its random init).
     freeze: List[str] = field(default_factory=list)
@@ -87,7 +95,8 @@ class InitConfig:
 @dataclass
 class PrecisionConfig:
     # fp32 | fp16 (torch.autocast, fp32 master weights) | fp16_emulated (fp32 arithmetic,
-    # every activation and weight gradient rounded to fp16): see gradrepro/recipe/precision.py.
+    # every activation and weight gradient rounded to fp16) | bf16 (bf16 weights, activations
+    # and gradients): see gradrepro/recipe/precision.py.
     mode: str = "fp32"
     # A number for a static loss scale, or "dynamic" for torch.amp.GradScaler.
     loss_scale: Any = 1.0
@@ -100,6 +109,10 @@ class PrecisionConfig:
     # scale can only fall: the precision experiments shorten it (experiments/precision.md).
     scaler_init_scale: float = 65536.0
     scaler_growth_interval: int = 2000
+    # mode bf16 only: how an update is written into the bf16 weights (gradrepro/recipe/bf16.py):
+    # nearest (round to nearest: updates below half an ulp are lost), stochastic (unbiased random
+    # rounding, Zamirai et al. 2020), master (an fp32 master copy takes the step).
+    bf16_update: str = "nearest"
 
 
 @dataclass

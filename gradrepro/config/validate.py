@@ -24,7 +24,8 @@ from gradrepro.data.cifar10 import check_cifar10_root
 from gradrepro.errors import UserError
 from gradrepro.measure import MEASUREMENTS, produced_by
 from gradrepro.measure.reference_runs import made_references
-from gradrepro.objectives import OBJECTIVES
+from gradrepro.objectives import ACCUMULATE_NORMS, OBJECTIVES
+from gradrepro.recipe.bf16 import BF16_UPDATES
 from gradrepro.recipe.init import INIT_MODES, INIT_SCHEMES
 from gradrepro.recipe.optim import OPTIMIZERS, SCHEDULES
 from gradrepro.recipe.precision import PRECISION_MODES, is_power_of_two
@@ -106,6 +107,7 @@ def _check_ranges(cfg: Any) -> None:
         _unit(f"optim.betas[{i}]", beta)
     if cfg.train.grad_clip is not None:
         _positive("train.grad_clip", cfg.train.grad_clip)
+    _check_accumulation(cfg)
     for key, allow_zero in (("init.std", True), ("probe.every", False), ("probe.act_sample", False),
                             ("probe.tiny_factor", False), ("eval.every", True), ("eval.knn_k", False),
                             ("threads", False), ("data.batch_size", False), ("data.n_train", False),
@@ -140,6 +142,17 @@ def _check_ranges(cfg: Any) -> None:
         )
 
 
+def _check_accumulation(cfg: Any) -> None:
+    accumulate, batch = cfg.train.accumulate, cfg.data.batch_size
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise UserError(f"train.accumulate={accumulate} must be a whole number >= 1 (micro-batches per step)")
+    if batch % accumulate:
+        raise UserError(f"train.accumulate={accumulate} must divide data.batch_size={batch}: the batch is split "
+                        f"into equal micro-batches (e.g. train.accumulate="
+                        f"{max(d for d in range(1, accumulate + 1) if batch % d == 0)})")
+    _choice("train.accumulate_norm", cfg.train.accumulate_norm, ACCUMULATE_NORMS)
+
+
 def _check_choices(cfg: Any) -> None:
     _choice("optim.name", cfg.optim.name, OPTIMIZERS)
     _choice("optim.schedule", cfg.optim.schedule, SCHEDULES)
@@ -148,6 +161,11 @@ def _check_choices(cfg: Any) -> None:
     if cfg.init.reference is not None:
         _choice("init.reference", cfg.init.reference, INIT_SCHEMES)
     _choice("precision.mode", cfg.precision.mode, PRECISION_MODES)
+    _choice("precision.bf16_update", cfg.precision.bf16_update, BF16_UPDATES)
+    if cfg.precision.mode == "bf16" and (str(cfg.precision.loss_scale) == "dynamic"
+                                         or float(cfg.precision.loss_scale) != 1.0):
+        raise UserError(f"precision.mode=bf16 takes no loss scale (precision.loss_scale={cfg.precision.loss_scale}): "
+                        "bf16 has fp32's exponent range; set precision.loss_scale=1.0")
     _choice("device", cfg.device, ("auto", "cpu", "cuda"))
     _choice("logger.name", cfg.logger.name, LOGGERS)
     if cfg.signature.checks:  # a verdict says what it proves

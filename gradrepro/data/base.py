@@ -29,6 +29,15 @@ class Batch(NamedTuple):
     x2: Optional[torch.Tensor] = None  # NxCxHxW, the second view when views=True
 
 
+def split_batch(batch: Batch, parts: int) -> list:
+    """``batch`` as ``parts`` consecutive micro-batches of equal size (gradient accumulation;
+    the batch size is a multiple of ``parts``, checked with the config). One part: the batch."""
+    if parts == 1:
+        return [batch]
+    pieces = [t.chunk(parts) if t is not None else [None] * parts for t in batch]
+    return [Batch(*fields) for fields in zip(*pieces)]
+
+
 class ImageData:
     """A labelled image set held as tensors, with an optional two-view augmentation.
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from gradrepro.models.causal_rows import CausalRows, CausalRowsConfig
 from gradrepro.models.convnet import ConvNet, ConvNetConfig
 from gradrepro.models.missing_grad import MissingGradCase, MissingGradConfig
 from gradrepro.models.mlp import MLP, MLPConfig
@@ -20,6 +21,7 @@ MODELS = {
     "resnet18_cifar": (ResNet18CifarConfig, ResNet18Cifar),
     "missing_grad": (MissingGradConfig, MissingGradCase),
     "plainnet": (PlainNetConfig, PlainNet),
+    "causal_rows": (CausalRowsConfig, CausalRows),
 }
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradrepro.objectives.base import LossOutput
+from gradrepro.objectives.base import ACCUMULATE_NORMS, LossOutput, loss_items, micro_batch_weights
 from gradrepro.objectives.classification import Classification, ClassificationConfig
 from gradrepro.objectives.missing_grad import MissingGrad, MissingGradObjectiveConfig
+from gradrepro.objectives.next_token import NextToken, NextTokenConfig
 from gradrepro.objectives.simsiam import SimSiam, SimSiamConfig
 
 # objective=NAME -> (its config schema, the class built from that config): the one registry.
@@ -17,9 +18,10 @@ OBJECTIVES = {
     "classification": (ClassificationConfig, Classification),
     "simsiam": (SimSiamConfig, SimSiam),
     "missing_grad": (MissingGradObjectiveConfig, MissingGrad),
+    "next_token": (NextTokenConfig, NextToken),
 }
 
-__all__ = ["LossOutput", "OBJECTIVES", "build_objective"]
+__all__ = ["ACCUMULATE_NORMS", "LossOutput", "OBJECTIVES", "build_objective", "loss_items", "micro_batch_weights"]
 
 
 def build_objective(cfg: Any) -> Any:

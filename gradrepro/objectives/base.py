@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,33 @@ class LossOutput:
     terms: Dict[str, torch.Tensor] = field(default_factory=dict)
     # Detached statistics logged beside the loss on logged steps (e.g. z_std).
     scalars: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+# train.accumulate_norm: how a micro-batch's loss (a mean over its items) is weighted.
+ACCUMULATE_NORMS = ("per_micro_batch_mean", "total_tokens")
+
+
+def loss_items(objective: Any, batch: Any) -> int:
+    """How many items ``objective``'s loss on ``batch`` averages over: the objective's own count
+    (``items``: a token-level loss counts its target tokens), else the batch's examples."""
+    items = getattr(objective, "items", None)
+    return int(items(batch)) if callable(items) else len(batch.x)
+
+
+def micro_batch_weights(objective: Any, parts: Sequence[Any], norm: str) -> Tuple[List[float], List[float]]:
+    """(the weight of each micro-batch's mean loss before its backward, its share of the batch's
+    items). ``per_micro_batch_mean``: 1 / parts, so the accumulated gradient is the mean of the
+    micro-batch means; ``total_tokens``: its items / all items, so the accumulated gradient is the
+    batch's mean over its items, the full batch's gradient (the two agree only when every
+    micro-batch holds as many items: Hugging Face, "Fixing Gradient Accumulation", 2024-10-16)."""
+    counts = [loss_items(objective, part) for part in parts]
+    total = sum(counts)
+    shares = [n / total if total else 1.0 / len(parts) for n in counts]
+    if norm == "per_micro_batch_mean":
+        return [1.0 / len(parts)] * len(parts), shares
+    if norm == "total_tokens":
+        return shares, shares
+    raise ValueError(f"unknown train.accumulate_norm {norm!r}; choose one of {', '.join(ACCUMULATE_NORMS)}")
 
 
 @torch.no_grad()

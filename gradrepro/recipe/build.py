@@ -91,7 +91,9 @@ def build_training(cfg: Any, device: torch.device) -> Training:
             if callable(getattr(parts.net, "on_optimizer", None)):
                 parts.net.on_optimizer(parts.optimizer)
             precision = Precision(cfg.precision, device)
+            precision.prepare(parts.net, cfg.seed)  # bf16 weights in precision.mode=bf16
             probe = Probe(parts.net, cfg.probe, cfg.train.steps, weight_decay=float(cfg.optim.weight_decay))
+            probe.bf16 = precision.bf16 is not None  # frac_bf16_update_lost: what bf16 weights round away
         except (ValueError, TypeError, KeyError, IndexError, RuntimeError, MemoryError) as exc:
             raise UserError(f"the {what} cannot be built from this config: {first_line(exc)}") from None
         # Says itself what went wrong (a device, dtype or shape mismatch, ...): its own UserError.

@@ -1,8 +1,9 @@
-"""Numeric regime of the backward pass: fp32, real fp16 mixed precision, or its emulation.
+"""Numeric regime of the backward pass: fp32, real fp16 mixed precision, its emulation, or
+pure bf16.
 
 Read like nanoGPT's loop: the autocast context is chosen once; the loss is scaled before
 backward and the gradients are divided (``unscale``) in fp32 before the probe, clipping
-and the step. The parameters and optimizer state stay fp32 in every mode ("master
+and the step. The parameters and optimizer state stay fp32 in every mode but bf16 ("master
 weights", Micikevicius et al. 2018, Sec. 3.1).
 
 Modes (``precision.mode``):
@@ -14,6 +15,9 @@ Modes (``precision.mode``):
   at or below 2^-25 flushed to zero, above 65504 to inf). The rounding sits at each module
   boundary, so the probe sees each gradient just before it is rounded: the fraction that
   flushes is measured per module, which real autocast cannot show (its zeros are already zero).
+- ``bf16``: the parameters themselves are bf16 (no fp32 master unless asked for), and
+  ``precision.bf16_update`` (nearest | stochastic | master) says how each update is written into
+  them: ``recipe/bf16.py``. The only mode whose weights are not fp32.
 
 Loss scale (``precision.loss_scale``): a number (static: the loss is multiplied by it, the
 gradients divided by it in fp32, nothing is skipped) or ``dynamic`` (``torch.amp.GradScaler``:
@@ -38,7 +42,9 @@ from contextlib import AbstractContextManager
 import torch
 from torch import nn
 
-PRECISION_MODES = ("fp32", "fp16", "fp16_emulated")
+from gradrepro.recipe.bf16 import BF16Weights
+
+PRECISION_MODES = ("fp32", "fp16", "fp16_emulated", "bf16")
 
 
 def round_to_fp16(t: torch.Tensor) -> torch.Tensor:
@@ -97,6 +103,8 @@ class Precision:
         self.scaler = None
         self.growths = 0  # times the dynamic scale grew (growth_interval clean steps in a row)
         self.backoffs = 0  # times it backed off (inf/NaN gradients: that step was skipped)
+        self.bf16_update = str(getattr(cfg, "bf16_update", "nearest"))
+        self.bf16: BF16Weights | None = None  # set by ``prepare`` in bf16 mode
         if self.mode != "fp32" and self.dynamic:
             # growth_factor 2 and backoff_factor 0.5 stay PyTorch's defaults.
             self.scaler = torch.amp.GradScaler(
@@ -104,6 +112,12 @@ class Precision:
                 init_scale=float(getattr(cfg, "scaler_init_scale", 65536.0)),
                 growth_interval=int(getattr(cfg, "scaler_growth_interval", 2000)),
             )
+
+    def prepare(self, net: nn.Module, seed: int) -> None:
+        """Put the network in this mode's parameter dtype (bf16 mode: bf16 weights and the
+        update rule; every other mode keeps fp32 weights)."""
+        if self.mode == "bf16":
+            self.bf16 = BF16Weights(self.bf16_update, net, seed)
 
     def autocast(self) -> AbstractContextManager:
         if self.mode == "fp16":
@@ -145,6 +159,9 @@ class Precision:
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step the optimizer; returns False when the scaler skipped the step."""
+        if self.bf16 is not None:
+            self.bf16.step(optimizer)
+            return True
         if self.scaler is None:
             optimizer.step()
             return True

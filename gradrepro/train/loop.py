@@ -2,6 +2,8 @@
 
     forward -> objective -> backward -> probe.collect -> optimizer.step -> probe columns
 
+(the forward and backward once per micro-batch with gradient accumulation, ``train.accumulate``)
+
 An experiment changes the graph or the numeric regime through config (a flag on an
 objective, an init scheme, a precision mode, a frozen module), never through a copy of
 this loop. What else a run measures is asked of its measurements (``gradrepro.measure``) on
@@ -19,7 +21,9 @@ from typing import Callable, Sequence
 import torch
 from omegaconf import DictConfig
 
+from gradrepro.data import split_batch
 from gradrepro.measure import Measurement
+from gradrepro.objectives import micro_batch_weights
 from gradrepro.probe.probe import step_norms
 from gradrepro.recipe.build import Training
 from gradrepro.records.writer import Records, flush_seconds
@@ -77,17 +81,27 @@ def train_step(cfg: DictConfig, t: Training, records: Records, generator: torch.
         measuring = list(measurements) if p.logged else []
         for m in measuring:
             m.before_forward(p)
-        with t.precision.autocast():
-            out = t.objective(t.net, batch)
-        loss_value = float(out.loss.detach())
-        diverged = not math.isfinite(loss_value)
-        if diverged and not p.logged:
-            p.log_anyway()  # record the step where it broke
-            measuring = list(measurements)
-        keep_graph = any([m.keeps_graph(p, out) for m in measuring])
-        t.precision.backward(out.loss, retain_graph=keep_graph)
-        for m in measuring:
-            m.after_backward(p, out)
+        # Gradient accumulation: train.accumulate micro-batches, each one forward and backward
+        # with its loss weighted as train.accumulate_norm says; .grad sums them. One: the batch.
+        parts = split_batch(batch, cfg.train.accumulate)
+        weights, items = micro_batch_weights(t.objective, parts, cfg.train.accumulate_norm)
+        loss_value, scalars, diverged = 0.0, {}, False
+        for part, weight, share in zip(parts, weights, items):
+            with t.precision.autocast():
+                out = t.objective(t.net, part)
+            part_loss = float(out.loss.detach())
+            loss_value += share * part_loss  # the batch's mean over its items, whatever the weights
+            for k, v in out.scalars.items():
+                scalars[k] = scalars.get(k, 0.0) + share * float(v)
+            if not math.isfinite(part_loss) and not diverged:
+                diverged = True
+                if not p.logged:
+                    p.log_anyway()  # record the step where it broke
+                    measuring = list(measurements)
+            keep_graph = any([m.keeps_graph(p, out) for m in measuring])
+            t.precision.backward(out.loss if weight == 1 else out.loss * weight, retain_graph=keep_graph)
+            for m in measuring:
+                m.after_backward(p, out)
         t.precision.unscale(t.optimizer)
         p.collect()
         for m in measuring:
@@ -106,7 +120,7 @@ def train_step(cfg: DictConfig, t: Training, records: Records, generator: torch.
     row = {"step": step, "loss": loss_value, "lr": t.scheduler.get_last_lr()[0],
            "loss_scale": t.precision.loss_scale, "skipped_steps": outcome.skipped,
            "scale_growths": t.precision.growths, "scale_backoffs": t.precision.backoffs, **step_norms(columns)}
-    row.update({k: float(v) for k, v in out.scalars.items()})
+    row.update(scalars)
     records.add_scalars(row)
     nonfinite_grads = bool((columns["grad_state"] == "nonfinite").any())
     bar.set_postfix(loss=f"{loss_value:.4f}", **(
