@@ -29,7 +29,12 @@ class TrainConfig:
     # False: the loop never calls optimizer.zero_grad(), so .grad becomes a running sum of
     # every backward (torch.Tensor.backward docs: gradients accumulate in the leaves).
     zero_grad: bool = True
+    # Clip the gradient norm to this (recipe/clipping.py): after the loss scale is taken out
+    # (after_unscale, PyTorch's AMP examples) or, the mistake, before (before_unscale); by the
+    # norm of the full gradient (full_tensor) or, under FSDP2, of each process's shard (local_shard).
     grad_clip: Optional[float] = None
+    clip_order: str = "after_unscale"
+    clip_norm_from: str = "full_tensor"
     # Gradient accumulation: the batch is split into this many equal micro-batches, each one
     # forward and backward (.grad sums them), then one optimizer step. 1: the whole batch at once.
     accumulate: int = 1
@@ -116,6 +121,18 @@ class PrecisionConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """A run of several processes on torch.distributed, started by the run itself
+    (train/distributed.py): gloo on CPU, NCCL on GPUs. With more than one, the model is sharded
+    over them with FSDP2 (``fully_shard``: parameters and gradients are DTensors, each process
+    holds a shard), each takes its slice of every batch, and the first writes the run folder."""
+
+    processes: int = 1
+    # How long a collective waits for a process that stopped answering before it fails.
+    timeout_s: float = 300.0
+
+
+@dataclass
 class LoggerConfig:
     # none | tensorboard: also write scalars and per-module gradient norms and magnitude
     # histograms to a TensorBoard event folder inside the run folder (records/tensorboard.py).
@@ -169,6 +186,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     signature: SignatureConfig = field(default_factory=SignatureConfig)
     # Reference runs, name -> experiment: run after this one with the same seed, scale,
     # device and step budget, into run_dir/references/NAME, for checks ``relative_to`` NAME.

@@ -26,6 +26,7 @@ from gradrepro.measure import MEASUREMENTS, produced_by
 from gradrepro.measure.reference_runs import made_references
 from gradrepro.objectives import ACCUMULATE_NORMS, OBJECTIVES
 from gradrepro.recipe.bf16 import BF16_UPDATES
+from gradrepro.recipe.clipping import CLIP_ORDERS, CLIP_SCALARS, NORM_SOURCES
 from gradrepro.recipe.init import INIT_MODES, INIT_SCHEMES
 from gradrepro.recipe.optim import OPTIMIZERS, SCHEDULES
 from gradrepro.recipe.precision import PRECISION_MODES, is_power_of_two
@@ -63,6 +64,7 @@ def validate(cfg: Any) -> None:
     _check_machine(cfg)
     _check_paths(cfg)
     _check_references(cfg)
+    _check_processes(cfg)
     _check_signature(cfg)
 
 
@@ -170,9 +172,32 @@ def _check_choices(cfg: Any) -> None:
     _choice("logger.name", cfg.logger.name, LOGGERS)
     if cfg.signature.checks:  # a verdict says what it proves
         _choice("claim_kind", cfg.claim_kind, CLAIM_KINDS)
+    _choice("train.clip_order", cfg.train.clip_order, CLIP_ORDERS)
+    _choice("train.clip_norm_from", cfg.train.clip_norm_from, NORM_SOURCES)
     for i, check in enumerate(cfg.signature.checks):
         _choice(f"signature.checks[{i}].op", check.op, tuple(OPS))
         _choice(f"signature.checks[{i}].role", check.role, ROLES)
+
+
+def _check_processes(cfg: Any) -> None:
+    """A run of several processes (train/distributed.py): each takes an equal slice of every
+    batch; reference runs are made by single-process runs only."""
+    processes = cfg.distributed.processes
+    if processes < 1:
+        raise UserError(f"distributed.processes={processes} must be 1 or more")
+    _positive("distributed.timeout_s", cfg.distributed.timeout_s)
+    if processes == 1:
+        return
+    if cfg.data.batch_size % processes:
+        raise UserError(f"data.batch_size={cfg.data.batch_size} must be a multiple of distributed.processes="
+                        f"{processes}: each process takes an equal slice of every batch")
+    share = cfg.data.batch_size // processes
+    if share % cfg.train.accumulate:
+        raise UserError(f"train.accumulate={cfg.train.accumulate} must divide each process's slice of the batch "
+                        f"(data.batch_size={cfg.data.batch_size} / distributed.processes={processes} = {share})")
+    if made_references(cfg):
+        raise UserError(f"references are made by single-process runs only; distributed.processes={processes} "
+                        "runs without them (set references={} or distributed.processes=1)")
 
 
 def _check_machine(cfg: Any) -> None:
@@ -255,6 +280,8 @@ def produced_names(cfg: Any) -> Set[str]:
     objective = OBJECTIVES[cfg.objective.name][1]
     names = set(METRICS) | set(RUN_SCALARS) | set(objective.TRAIN_SCALARS) | set(objective.EVAL_SCALARS)
     names |= {f"{k}_init" for k in objective.EVAL_SCALARS} | set(RUN_CONSTANTS)
+    if cfg.train.grad_clip:
+        names |= set(CLIP_SCALARS)
     constants, columns = produced_by(cfg)
     return names | constants | columns
 

@@ -26,6 +26,7 @@ from gradrepro.recipe.mode_policy import hold_eval
 from gradrepro.recipe.module_prefixes import check_prefixes
 from gradrepro.recipe.optim import build_optimizer, freeze
 from gradrepro.recipe.precision import Precision
+from gradrepro.recipe.sharding import attach_probe, rank_data, shard_model
 
 
 def build_network(cfg: Any, objective: Any, scheme: str | None = None) -> Tuple[nn.Module, Dict[str, float]]:
@@ -56,6 +57,7 @@ def build_untrained(cfg: Any) -> Untrained:
     objective = build_objective(cfg.objective)
     init_rng = torch.get_rng_state()
     net, facts = build_network(cfg, objective)
+    shard_model(net, "cuda" if cfg.device == "cuda" else "cpu")  # FSDP2 in a run of several processes
     check_prefixes(net, "train.freeze", list(cfg.train.freeze))
     check_prefixes(net, "train.eval_modules", list(cfg.train.eval_modules), parameters=False)
     frozen = freeze(net, list(cfg.train.freeze))
@@ -82,6 +84,7 @@ def build_training(cfg: Any, device: torch.device) -> Training:
         try:
             data = build_data(cfg.data, cfg.seed).to(device)
             check_data_shape(data, cfg.data)
+            data = rank_data(data)  # in several processes, each trains on its slice of every batch
             what = "model, objective or optimizer"
             parts = build_untrained(cfg)
             parts.net.to(device).train()
@@ -94,6 +97,7 @@ def build_training(cfg: Any, device: torch.device) -> Training:
             precision.prepare(parts.net, cfg.seed)  # bf16 weights in precision.mode=bf16
             probe = Probe(parts.net, cfg.probe, cfg.train.steps, weight_decay=float(cfg.optim.weight_decay))
             probe.bf16 = precision.bf16 is not None  # frac_bf16_update_lost: what bf16 weights round away
+            attach_probe(probe)
         except (ValueError, TypeError, KeyError, IndexError, RuntimeError, MemoryError) as exc:
             raise UserError(f"the {what} cannot be built from this config: {first_line(exc)}") from None
         # Says itself what went wrong (a device, dtype or shape mismatch, ...): its own UserError.

@@ -26,6 +26,7 @@ from gradrepro.measure import Measurement
 from gradrepro.objectives import micro_batch_weights
 from gradrepro.probe.probe import step_norms
 from gradrepro.recipe.build import Training
+from gradrepro.recipe.clipping import clip_at
 from gradrepro.records.writer import Records, flush_seconds
 from gradrepro.train.finish import Outcome
 from gradrepro.train.session import SafeBar, StopRequest
@@ -102,12 +103,14 @@ def train_step(cfg: DictConfig, t: Training, records: Records, generator: torch.
             t.precision.backward(out.loss if weight == 1 else out.loss * weight, retain_graph=keep_graph)
             for m in measuring:
                 m.after_backward(p, out)
+        # Clip after unscaling (PyTorch's AMP examples); train.clip_order=before_unscale is the
+        # mistake the clipping experiments show. The probe then sees what the optimizer steps with.
+        clipped = clip_at(cfg.train, t.net.parameters(), "before_unscale")
         t.precision.unscale(t.optimizer)
+        clipped = clipped or clip_at(cfg.train, t.net.parameters(), "after_unscale")
         p.collect()
         for m in measuring:
             m.after_collect(p, batch)
-        if cfg.train.grad_clip:
-            torch.nn.utils.clip_grad_norm_(t.net.parameters(), cfg.train.grad_clip)
         if not diverged:
             outcome.skipped += not t.precision.step(t.optimizer)
             t.scheduler.step()
@@ -117,10 +120,12 @@ def train_step(cfg: DictConfig, t: Training, records: Records, generator: torch.
     for m in measuring:
         columns.update(m.step_columns(p))
     records.add_modules(columns)
+    # loss_scale: the scale this step's gradients were scaled by (the probe's, and the recorder's).
     row = {"step": step, "loss": loss_value, "lr": t.scheduler.get_last_lr()[0],
-           "loss_scale": t.precision.loss_scale, "skipped_steps": outcome.skipped,
+           "loss_scale": scale, "skipped_steps": outcome.skipped,
            "scale_growths": t.precision.growths, "scale_backoffs": t.precision.backoffs, **step_norms(columns)}
     row.update(scalars)
+    row.update({k: float(v) for k, v in clipped.items()})
     records.add_scalars(row)
     nonfinite_grads = bool((columns["grad_state"] == "nonfinite").any())
     bar.set_postfix(loss=f"{loss_value:.4f}", **(

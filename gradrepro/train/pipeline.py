@@ -35,6 +35,7 @@ from gradrepro.records.files import FIGURE, MODULES, SCALARS, SUMMARY, ensure_wr
 from gradrepro.records.run import RunRecords
 from gradrepro.records.writer import Records
 from gradrepro.signature import evaluate, format_verdict
+from gradrepro.train.distributed import run_processes, starts_processes
 from gradrepro.train.finish import Outcome, RunState, full_summary
 from gradrepro.train.loop import train_steps
 from gradrepro.train.session import StopRequest, resolve_device, seed_everything
@@ -57,18 +58,26 @@ def run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[s
     # Hydra's own record of this job (.hydra/) is already there; another run's records are not.
     with claimed(run_dir, markers=(SUMMARY, SCALARS, MODULES)):
         ensure_writable_dir(run_dir)  # before any work: a read-only or full disk is one line
-        with StopRequest() as stop:
-            state = RunState(cfg, run_dir, overrides, start)
-            try:
-                return _run(cfg, run_dir, overrides, stop, state)
-            except KeyboardInterrupt:  # a second signal outside the steps: stop now, say so
-                if state.summary is not None:
-                    return state.interrupted(stop.signal or signal.SIGINT)
-                return state.salvage("interrupted", stop.signal or signal.SIGINT)
-            except BaseException as exc:
-                if state.summary is None:
-                    state.salvage("failed", None, exc)
-                raise
+        if starts_processes(cfg):  # distributed.processes > 1: each runs run_claimed, the first into run_dir
+            return run_processes(cfg, run_dir, overrides, start)
+        return run_claimed(cfg, run_dir, overrides, start)
+
+
+def run_claimed(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], start: float) -> Dict[str, Any]:
+    """The run, in a folder already claimed for it (by this process, or by the process that
+    started this one as a process of a distributed run)."""
+    with StopRequest() as stop:
+        state = RunState(cfg, run_dir, overrides, start)
+        try:
+            return _run(cfg, run_dir, overrides, stop, state)
+        except KeyboardInterrupt:  # a second signal outside the steps: stop now, say so
+            if state.summary is not None:
+                return state.interrupted(stop.signal or signal.SIGINT)
+            return state.salvage("interrupted", stop.signal or signal.SIGINT)
+        except BaseException as exc:
+            if state.summary is None:
+                state.salvage("failed", None, exc)
+            raise
 
 
 def _run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopRequest,
