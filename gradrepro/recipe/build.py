@@ -84,7 +84,6 @@ def build_training(cfg: Any, device: torch.device) -> Training:
         try:
             data = build_data(cfg.data, cfg.seed).to(device)
             check_data_shape(data, cfg.data)
-            data = rank_data(data)  # in several processes, each trains on its slice of every batch
             what = "model, objective or optimizer"
             parts = build_untrained(cfg)
             parts.net.to(device).train()
@@ -104,7 +103,8 @@ def build_training(cfg: Any, device: torch.device) -> Training:
         # A model whose unregistered tensors stayed behind fails here on a GPU: a result, recorded.
         mismatch = device_mismatch_at_first_forward(
             parts.net, lambda: check_forward(parts.objective, parts.net, data, cfg.seed))
-    return Training(**vars(parts), data=data, precision=precision, probe=probe, held=held,
+    # In several processes, each trains on its slice of every batch.
+    return Training(**vars(parts), data=rank_data(data), precision=precision, probe=probe, held=held,
                     device_mismatch=mismatch)
 
 

@@ -268,8 +268,8 @@ def _finish(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], start: flo
 
 def lost_message(lost: Process, world: int, summary: Dict[str, Any], first: Process) -> str:
     """One line: which process was lost, how, at what step, and what process 0 then did."""
-    stopped = summary.get("stopped_at")
-    at = f" at step {stopped + 1}" if isinstance(stopped, int) else ""
+    stopped = summary.get("stopped_at")  # the step at which process 0 failed
+    at = f" at step {stopped}" if isinstance(stopped, int) else ""
     then = "" if lost is first else f"; process 0 then {one_line(first.how(), 300)}"
     return one_line(f"process {lost.rank} of {world} was lost{at} ({lost.how()}){then}", 2000)
 

@@ -28,6 +28,7 @@ from gradrepro.measure import Measurement, RunContext, start_measurements
 from gradrepro.recipe.build import Training, build_training
 from gradrepro.recipe.footprint import check_footprint
 from gradrepro.recipe.mode_policy import hold_eval
+from gradrepro.recipe.sharding import rank_and_world
 from gradrepro.records import open_records
 from gradrepro.records.claim import claimed
 from gradrepro.records.figure import checked_scalars, plot_signals
@@ -134,7 +135,8 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], stop: StopReq
         raise outcome.error
 
     # Figure and print.
-    cut = _draw_figure(cfg, records, run_dir, outcome.status)
+    # Process 0 of a distributed run draws the figure; the others' folders are scratch.
+    cut = _draw_figure(cfg, records, run_dir, outcome.status) if rank_and_world()[0] == 0 else False
     if (cut or stop.signal is not None) and outcome.status in ("completed", "diverged"):
         outcome.stop("interrupted")  # a signal while the figure was drawn: said, not ignored
         summary = state.interrupted(stop.signal or signal.SIGINT)
