@@ -104,6 +104,8 @@ def test_clipping_the_scaled_gradients_shows_its_evidence_and_the_control_does_n
     for name in ("clip_before_unscale", "clip_after_unscale"):
         result = run_in_process(f"experiment={name}", *common)
         assert result.summary["status"] == "completed", result.summary.get("error")
+    own = result.summary["references"]["control"]  # the control's own reference: a replicate
+    assert own["replicate"] is True and own["seed"] != 100
     tables, _, _ = compare([tmp_path])
     evidence = tables["checks"].query("role == 'evidence'")
     assert len(evidence) == 4
@@ -111,4 +113,3 @@ def test_clipping_the_scaled_gradients_shows_its_evidence_and_the_control_does_n
         where = f"{row.check}: failure {row.observed_failure}, control {row.observed_control}"
         assert row.ok_failure, where
         assert row.ok_control is False, where
-        assert row.control_refs == "own", where  # the control answered with its own reference run

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import ROOT, compose_config, multirun, read_tables, run_cli
+from conftest import ROOT, CliResult, compose_config, multirun, read_tables, run_cli, run_module
 
 from gradrepro.recipe.build import build_training
 from gradrepro.train.session import seed_everything
@@ -60,22 +60,33 @@ def distributed_cli(tmp_path: Path, name: str, *overrides: str, env: dict = None
 
 
 @pytest.fixture(scope="module")
-def local_run(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("shard_local")
-    result, tmp = distributed_cli(tmp_path, "run", "experiment=shard_norm_local", *TINY)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result, tmp
+def pair(tmp_path_factory):
+    """Both experiments at scale=tiny in one sweep of the command line (one start-up for both):
+    {experiment: its run}, and the temporary folder their processes used."""
+    root = tmp_path_factory.mktemp("shard_pair")
+    tmp = root / "tmp"
+    tmp.mkdir()
+    proc = run_module("gradrepro", "-m", "experiment=shard_norm_local,shard_norm_full", *TINY,
+                      f"hydra.sweep.dir={root / 'sweep'}", timeout=TIMEOUT, env={"TMPDIR": str(tmp)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = {}
+    for summary in (root / "sweep").rglob("summary.json"):
+        result = CliResult(proc, summary.parent)
+        runs[result.summary["experiment"]] = result
+    assert sorted(runs) == ["shard_norm_full", "shard_norm_local"]
+    return runs, tmp, proc
 
 
-def test_the_command_starts_two_processes_and_process_0_writes_the_run_folder(local_run):
-    result, tmp = local_run
-    summary = result.summary
-    assert summary["status"] == "completed", summary.get("error")
-    assert summary["distributed"] == {"processes": 2, "backend": "gloo",
-                                      "ranks": {"0": "completed", "1": "completed"}}
-    assert "shard_norm_local: signature" in result.stdout  # one verdict: process 1 prints nothing
-    assert result.stdout.count("signature") == 1
-    assert {p.name for p in result.run_dir.iterdir()} >= {"summary.json", "scalars.parquet", "modules.parquet"}
+def test_the_command_starts_two_processes_and_process_0_writes_the_run_folder(pair):
+    runs, tmp, proc = pair
+    for name, result in runs.items():
+        summary = result.summary
+        assert summary["status"] == "completed", summary.get("error")
+        assert summary["distributed"] == {"processes": 2, "backend": "gloo",
+                                          "ranks": {"0": "completed", "1": "completed"}}
+        assert {p.name for p in result.run_dir.iterdir()} >= {"summary.json", "scalars.parquet", "modules.parquet"}
+        assert proc.stdout.count(f"{name}: signature") == 1  # one verdict each: process 1 prints nothing
+    assert (tmp.parent / "sweep" / "comparison.md").exists()  # the sweep's table, as for any sweep
     assert_nothing_left(tmp)
 
 
@@ -89,11 +100,11 @@ def first_step_gradients() -> dict:
     return {name: p.grad.detach() for name, p in t.net.named_parameters()}
 
 
-def test_the_local_norm_is_process_0s_rows_and_the_full_norm_is_one_process(local_run):
+def test_the_local_norm_is_process_0s_rows_and_the_full_norm_is_one_process(pair):
     """FSDP2 shards each tensor along its first dimension: process 0 holds the first half of
     its rows. Its clip norm is the norm of those rows of one process's gradients; the full norm
     is the whole gradient's; the clipped gradient, each shard scaled to c, has norm sqrt(2) c."""
-    result, _ = local_run
+    result = pair[0]["shard_norm_local"]
     row = result.scalars.dropna(subset=["clip_norm"]).iloc[0]
     assert row["step"] == 0
     grads = first_step_gradients()
@@ -107,18 +118,16 @@ def test_the_local_norm_is_process_0s_rows_and_the_full_norm_is_one_process(loca
     assert row["grad_norm"] == pytest.approx(math.sqrt(2) * c, rel=1e-5)
 
 
-def test_the_sharded_run_records_what_one_process_records(tmp_path, run_in_process):
+def test_the_sharded_run_records_what_one_process_records(pair, run_in_process):
     """Full-tensor statistics: the two-process run's per-tensor records are one process's on the
     same global batches (the control: its clip is of the full gradient, the same in both)."""
-    result, tmp = distributed_cli(tmp_path, "two", "experiment=shard_norm_full", *TINY)
-    assert result.returncode == 0, result.stderr[-3000:]
+    two = pair[0]["shard_norm_full"]
     one = run_in_process("experiment=shard_norm_full", *TINY, "distributed.processes=1")
-    _, _, two_modules = read_tables(result.run_dir)
+    _, _, two_modules = read_tables(two.run_dir)
     _, _, one_modules = read_tables(one.run_dir)
     for column in ("grad_norm", "param_norm", "update_to_param", "grad_std", "frac_zero"):
         np.testing.assert_allclose(two_modules[column], one_modules[column], rtol=1e-4, atol=1e-9, err_msg=column)
     pd.testing.assert_series_equal(two_modules["module"], one_modules["module"])
-    assert_nothing_left(tmp)
 
 
 # Process 0 lost: the run's starting process writes the summary (slow: one more two-process run).
@@ -178,3 +187,29 @@ def test_a_sweep_of_the_distributed_experiment_runs_on_the_joblib_launcher(tmp_p
     assert sorted(s["seed"] for s in summaries) == [0, 1]
     assert all(s["status"] == "completed" and s["distributed"]["processes"] == 2 for s in summaries)
     assert (sweep / "comparison.md").exists()
+
+
+@pytest.mark.slow
+def test_processes_whose_starting_process_was_killed_stop_and_write_an_interrupted_summary(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)}
+    proc = subprocess.Popen([sys.executable, "-m", "gradrepro", "experiment=shard_norm_local", *TINY,
+                             "train.steps=100000", f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not (run_dir / "scalars.parquet").exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        proc.kill()  # the run's own process, without a chance to end its processes
+        proc.wait()
+        while processes_of(tmp) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        for pid, _ in processes_of(tmp):
+            os.kill(pid, signal.SIGKILL)
+    assert_nothing_left(tmp)
+    summary = read_tables(run_dir)[0]
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -45,15 +46,22 @@ def _take_signals(rank: int) -> None:
             signal.signal(sig, signal.SIG_IGN)
 
 
+_orphaned = threading.Event()
+
+
 def _watch_parent(parent: int, rank: int) -> None:
-    """Stop when the starting process is gone (killed): nothing would end this one otherwise."""
+    """Stop when the starting process is gone (killed): nothing would end this one otherwise.
+    Process 0 stops as if interrupted (the others keep answering its collectives until it has
+    finished its step, then fail at their next one); any process still there after the grace
+    period ends."""
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(ORPHAN_POLL_S)
+        _orphaned.set()
         if rank == 0:
             os.kill(os.getpid(), signal.SIGTERM)  # write the records, as when interrupted
-            time.sleep(ORPHAN_GRACE_S)
+        time.sleep(ORPHAN_GRACE_S)
         os._exit(1)
 
     threading.Thread(target=watch, name="gradrepro-parent-watch", daemon=True).start()
@@ -92,6 +100,8 @@ def run_rank(spec_path: str, rank: int) -> Dict[str, Any]:
     finally:
         _leave()
         _write_result(Path(spec.scratch) / f"rank{rank}.json", result)
+        if _orphaned.is_set() and rank == 0:  # nobody else will remove the scratch folder
+            shutil.rmtree(spec.scratch, ignore_errors=True)
     return result
 
 
