@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import experiment_names
+from conftest import composed, experiment_names
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -26,6 +26,9 @@ def assert_reproduced_on_cuda(result, status: str = "completed") -> None:
 
 @pytest.mark.parametrize("name", experiment_names())
 def test_every_experiment_gives_its_cpu_verdict_on_cuda(cli, name):
+    processes = composed(name).distributed.processes
+    if processes > torch.cuda.device_count():  # NCCL: one GPU per process
+        pytest.skip(f"{name} runs {processes} processes: needs {processes} GPUs")
     result = cli(f"experiment={name}", "device=cuda", "seed=0", timeout=3600)
     assert_reproduced_on_cuda(result, "device_mismatch" if name in DEVICE_MISMATCH else "completed")
 
