@@ -188,6 +188,10 @@ def _check_processes(cfg: Any) -> None:
     _positive("distributed.timeout_s", cfg.distributed.timeout_s)
     if processes == 1:
         return
+    most = max(2, usable_cores())  # each process is a whole run on this machine; two always may run
+    if processes > most:
+        raise UserError(f"distributed.processes={processes} is more processes than this machine's "
+                        f"{usable_cores()} CPU core(s) can run side by side; choose 1 to {most}")
     if cfg.data.batch_size % processes:
         raise UserError(f"data.batch_size={cfg.data.batch_size} must be a multiple of distributed.processes="
                         f"{processes}: each process takes an equal slice of every batch")

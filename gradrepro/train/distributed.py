@@ -127,13 +127,18 @@ def run_processes(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], star
     forwarded: List[int] = []
     try:
         spec = _write_spec(cfg, device, backend, store.port, run_dir, overrides, scratch)
-        with _forward_signals(lambda: processes[0] if processes else None, forwarded):
-            processes = [_start(rank, spec, scratch) for rank in range(world)]
-            _watch(processes, forwarded)
-    finally:
-        _stop_all(processes)
+        with _forward_signals(processes, forwarded):
+            try:
+                for rank in range(world):
+                    processes.append(_start(rank, spec, scratch))
+                if forwarded:  # a signal while they were being started: process 0 gets it now
+                    processes[0].popen.send_signal(forwarded[0])
+                _watch(processes, forwarded)
+            finally:
+                _stop_all(processes)
         for p in processes:
             p.result = _read_result(scratch, p.rank)
+    finally:
         del store
         shutil.rmtree(scratch, ignore_errors=True)
     return _finish(cfg, run_dir, overrides, start, processes, backend, forwarded)
@@ -212,8 +217,8 @@ def _stop_all(processes: Sequence[Process]) -> None:
 
 
 @contextlib.contextmanager
-def _forward_signals(first, forwarded: List[int]):
-    """While the processes run, a stop signal here is passed on to process 0 (``first()``) and
+def _forward_signals(processes: List[Process], forwarded: List[int]):
+    """While the processes run (and are ended), a stop signal here is passed on to process 0 and
     noted in ``forwarded``; outside the main thread (some launchers) signals are left alone."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -221,10 +226,9 @@ def _forward_signals(first, forwarded: List[int]):
 
     def forward(signum, frame) -> None:
         forwarded.append(signum)
-        p = first()
-        if p is not None and p.running:
+        if processes and processes[0].running:
             with contextlib.suppress(ProcessLookupError):
-                p.popen.send_signal(signum)
+                processes[0].popen.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in stop_signals()}
     try:
