@@ -100,7 +100,7 @@ BAD_INPUTS = [
     (["optim.name=lbfgs"], ["optim.name", "sgd", "adam"]),
     (["optim.schedule=linear"], ["optim.schedule", "cosine"]),
     (["init.scheme=he"], ["init.scheme", "kaiming"]),
-    (["precision.mode=bf16"], ["precision.mode", "fp16"]),
+    (["precision.mode=int8"], ["precision.mode", "fp16", "bf16"]),
     (["device=tpu"], ["device", "cpu", "cuda"]),
     (["model.widths=[-1]"], ["model.widths[0]=-1", ">= 1"]),  # refused by the size check, before building
     (["model.activation=gelu"], ["model.activation='gelu'"]),
