@@ -43,13 +43,40 @@ def test_the_reference_table_was_made_at_one_commit_on_every_experiment():
     assert set(margins_rows()["experiment"]) == failures
 
 
+# Empirical failures that did not reproduce on the report's seeds: each one's page says so, with
+# its measured values. Listed here so that the table cannot hide one, and checked both ways: a
+# listed experiment must really miss on some seed (a stale entry fails), and its page must say it.
+NOT_REPRODUCED_ON_THE_REPORT_SEEDS = {
+    "simsiam_nopredictor": "experiments/simsiam.md",
+    "simsiam_frozen_predictor": "experiments/simsiam.md",
+}
+
+
+def _flips(row: dict) -> bool:
+    held, seeds = row["holds_on_failure"].split("/")
+    failed, answered = row["fails_on_control"].split("/")
+    return held == seeds and answered == seeds and row["control_n/a"] == "0" and failed == answered
+
+
 def test_in_the_reference_table_every_empirical_evidence_check_flips_on_every_seed():
     rows = margins_rows().query("role == 'evidence' and claim_kind == 'empirical'")
     assert not rows.empty
     for row in rows.to_dict("records"):
+        if row["experiment"] in NOT_REPRODUCED_ON_THE_REPORT_SEEDS:
+            continue
         where = f"{row['experiment']} {row['check']}"
         held, seeds = row["holds_on_failure"].split("/")
         failed, answered = row["fails_on_control"].split("/")
         assert held == seeds, f"{where}: held on the failure on {held} of {seeds} seeds"
         assert answered == seeds and row["control_n/a"] == "0", f"{where}: the control could not answer it"
         assert failed == answered, f"{where}: held on the control on some seed"
+
+
+def test_each_listed_non_reproduction_misses_in_the_table_and_its_page_says_so():
+    rows = margins_rows().query("role == 'evidence' and claim_kind == 'empirical'")
+    for name, page in NOT_REPRODUCED_ON_THE_REPORT_SEEDS.items():
+        own = rows[rows["experiment"] == name].to_dict("records")
+        assert own, f"{name} is not in the margins table"
+        assert not all(_flips(r) for r in own), f"{name} flips on every seed now: take it off the list"
+        text = (ROOT / page).read_text()
+        assert name in text and "not reproduced" in text.lower(), f"{page} does not report {name} not reproducing"
