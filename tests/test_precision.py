@@ -1,7 +1,7 @@
 """fp16 emulation rounds as IEEE binary16 does, agrees with real CPU autocast, the loss
-shift leaves fp32 bit-identical, the regime follows its rules, GradScaler's knobs are used
-and counted, and the precision experiments reproduce, on both fp16 paths, with each failure's
-evidence failing on its control (Micikevicius et al., ICLR 2018)."""
+shift leaves fp32 bit-identical, the regime's loss gives each output (p - y) / (B A) with
+SSD300's A and SSD's B, the dynamic scaler keeps PyTorch's defaults, GradScaler's knobs are
+used and counted, and the precision experiments' verdicts (Micikevicius et al., ICLR 2018)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from conftest import compose_config, probe_step, read_tables
 from torch import nn
 
-from gradrepro.analysis.precision_regime import growth_interval, pooled_histogram, shift_octaves
 from gradrepro.config.compose import compose
 from gradrepro.config.schema import PrecisionConfig
 from gradrepro.measure.reference_runs import REFERENCE_MARK, shared_overrides
+from gradrepro.objectives.dense_classification import (SSD300_DEFAULT_BOXES, DenseClassification,
+                                                       DenseClassificationConfig)
 from gradrepro.probe import Probe
 from gradrepro.probe.config import ProbeConfig
 from gradrepro.probe.kernels import HIST_COLUMNS, log2_histogram
@@ -141,10 +142,10 @@ def records_of(run_dir, references=None) -> RunRecords:
 
 
 def test_loss_shift_leaves_fp32_training_bit_identical(tmp_path):
-    common = ["experiment=precision_fp32", "train.steps=30", "probe.every=5"]
+    common = ["experiment=precision_fp32", "scale=tiny", "probe.every=1"]
+    k = 8
     s1, m1, _ = run_quiet([*common, "precision.loss_shift=1.0"], tmp_path / "c1")
-    s2, m2, _ = run_quiet(common, tmp_path / "shifted")  # the experiment's 2^-k
-    k = round(-math.log2(compose_config(common).precision.loss_shift))
+    s2, m2, _ = run_quiet([*common, f"precision.loss_shift={2.0**-k}"], tmp_path / "shifted")
     np.testing.assert_array_equal(s1["loss"].to_numpy(), s2["loss"].to_numpy())
     np.testing.assert_array_equal(s1["test_acc"].to_numpy(), s2["test_acc"].to_numpy())
     for col in ("grad_norm", "param_norm", "update_to_param"):
@@ -157,18 +158,47 @@ def test_loss_shift_leaves_fp32_training_bit_identical(tmp_path):
         assert h2[f"act_grad_hist_{j - k}"] == h1[f"act_grad_hist_{j}"]
 
 
-def test_the_regime_rules_give_the_configured_shift_and_growth_interval(tmp_path):
-    """The shift and GradScaler's interval are the rules' output on the unshifted fp32 run
-    (analysis/precision_regime.py), not values picked after seeing the fp16 runs."""
-    overrides = ["experiment=precision_fp32", "precision.loss_shift=1.0"]
-    scalars, modules, summary = run_quiet(overrides, tmp_path / "unshifted")
-    counts = pooled_histogram(modules)
-    k = shift_octaves(counts)
-    configured = compose_config(["experiment=precision_fp16_dynamic"])
-    assert 2.0**-k == configured.precision.loss_shift
-    assert flush_fraction(counts, 2.0**-k) == pytest.approx(31 / 36.3, abs=0.03)  # SSD's share
-    interval = growth_interval(summary["steps"], float(scalars["grad_norm"].max()), 2.0**-k)
-    assert interval == configured.precision.scaler_growth_interval
+def test_ssd300_has_8732_default_boxes_and_the_experiments_average_over_them_and_ssds_batch():
+    # Liu et al. 2016, Sec. 2.2 and 3: 4 or 6 boxes at each location of six source maps.
+    assert sum(n * n * k for n, k in ((38, 4), (19, 6), (10, 6), (5, 6), (3, 4), (1, 4))) == 8732
+    assert SSD300_DEFAULT_BOXES == 8732
+    for name in EXPERIMENTS:
+        cfg = compose_config([f"experiment={name}"])
+        assert (cfg.objective.name, cfg.objective.locations, cfg.data.batch_size) == (
+            "dense_classification", 8732, 32)  # SSD's batch (Liu et al. 2016, Sec. 3)
+        assert cfg.precision.loss_shift == 1.0  # no free multiplier: the regime is the loss's
+
+
+def test_each_dense_output_gets_p_minus_y_over_batch_times_locations():
+    """The regime's source: the loss is a mean over B x A outputs, so each logit's gradient is
+    (softmax - one-hot) / (B A), and each location's features receive only their own share."""
+    torch.manual_seed(0)
+    cfg = DenseClassificationConfig(locations=50, width=4, num_classes=3)
+    objective = DenseClassification(cfg)
+    trunk = nn.Sequential(nn.Flatten(), nn.Linear(64, 6), nn.ReLU())
+    trunk.out_dim = 6
+    net = objective.wrap(trunk)
+    x, y = torch.randn(5, 1, 8, 8), torch.tensor([0, 1, 2, 1, 0])
+    kept = {}
+    net.head[-1].register_forward_hook(lambda m, i, o: kept.setdefault("logits", o).retain_grad())
+    from gradrepro.data import Batch
+
+    objective(net, Batch(x, y)).loss.backward()
+    logits = kept["logits"]  # BxKxA
+    assert logits.shape == (5, 3, 50)
+    onehot = F.one_hot(y, 3).float()[:, :, None]  # BxKx1
+    expected = (logits.detach().softmax(1) - onehot) / (5 * 50)
+    torch.testing.assert_close(logits.grad, expected)
+
+
+def test_the_dynamic_scaler_keeps_pytorchs_defaults():
+    cfg = compose_config(["experiment=precision_fp16_dynamic"])
+    ours = Precision(cfg.precision, torch.device("cpu")).scaler
+    default = torch.amp.GradScaler("cpu")
+    assert ours is not None
+    assert (ours.get_scale(), ours.get_growth_interval(), ours.get_growth_factor(), ours.get_backoff_factor()) == (
+        default.get_scale(), default.get_growth_interval(), default.get_growth_factor(), default.get_backoff_factor())
+    assert ours.get_growth_interval() == 2000 and ours.get_scale() == 2.0**16
 
 
 def test_loss_shift_must_be_a_power_of_two(cli):

@@ -107,11 +107,11 @@ class PrecisionConfig:
     loss_scale: Any = 1.0
     # c: loss x c before backward, weight gradients / c in fp32 after it. A power of two,
     # so fp32 training is bit-identical; it moves the gradient histogram by log2(c) octaves.
+    # No experiment sets it (the precision regime comes from the loss: experiments/precision.md).
     loss_shift: float = 1.0
     # GradScaler's settings where loss_scale is "dynamic"; the defaults are PyTorch's
-    # (init_scale 2^16, growth_interval 2000; growth 2 and backoff 0.5 are not knobs here).
-    # An interval of 2000 clean steps never passes in a run of a few hundred steps, so the
-    # scale can only fall: the precision experiments shorten it (experiments/precision.md).
+    # (init_scale 2^16, growth_interval 2000; growth 2 and backoff 0.5 are not knobs here),
+    # and the precision experiments keep them (experiments/precision.md).
     scaler_init_scale: float = 65536.0
     scaler_growth_interval: int = 2000
     # mode bf16 only: how an update is written into the bf16 weights (gradrepro/recipe/bf16.py):

@@ -9,6 +9,7 @@ from typing import Any
 
 from gradrepro.objectives.base import ACCUMULATE_NORMS, LossOutput, loss_items, micro_batch_weights
 from gradrepro.objectives.classification import Classification, ClassificationConfig
+from gradrepro.objectives.dense_classification import DenseClassification, DenseClassificationConfig
 from gradrepro.objectives.missing_grad import MissingGrad, MissingGradObjectiveConfig
 from gradrepro.objectives.next_token import NextToken, NextTokenConfig
 from gradrepro.objectives.simsiam import SimSiam, SimSiamConfig
@@ -19,6 +20,7 @@ OBJECTIVES = {
     "simsiam": (SimSiamConfig, SimSiam),
     "missing_grad": (MissingGradObjectiveConfig, MissingGrad),
     "next_token": (NextTokenConfig, NextToken),
+    "dense_classification": (DenseClassificationConfig, DenseClassification),
 }
 
 __all__ = ["ACCUMULATE_NORMS", "LossOutput", "OBJECTIVES", "build_objective", "loss_items", "micro_batch_weights"]
