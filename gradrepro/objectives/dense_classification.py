@@ -98,9 +98,11 @@ class DenseClassification:
         """The model as the trunk under the dense head: its output (``out_dim`` values per sample)
         is the features every location reads."""
         if int(getattr(model, "out_dim", 0)) < 1:
-            raise ValueError(f"objective=dense_classification needs a model with out_dim features, not {type(model).__name__}")
+            raise ValueError("objective=dense_classification needs a model with out_dim features, "
+                             f"not {type(model).__name__}")
         if int(self.cfg.num_classes) < 2 or min(self.cfg.locations, self.cfg.width, self.cfg.location_layers) < 1:
-            raise ValueError("objective=dense_classification needs num_classes > 1 and locations, width, location_layers >= 1")
+            raise ValueError("objective=dense_classification needs num_classes > 1 and locations, width and "
+                             "location_layers >= 1")
         return DenseHead(model, self.cfg)
 
     def __call__(self, net: nn.Module, batch: Batch) -> LossOutput:

@@ -26,10 +26,11 @@ steps, backoff 0.5, skips a step whose gradients hold inf/NaN; PyTorch's default
 and 2000). In fp32 a scale is applied the same way. The scaler's growths and back-offs are
 counted (``growths``, ``backoffs``): the run records both beside the scale's path.
 
-Regime knob (``precision.loss_shift``, c): the loss is multiplied by c before backward and
+Shift knob (``precision.loss_shift``, c): the loss is multiplied by c before backward and
 the weight gradients divided by c in fp32 after it. For c a power of two this is exact in
-fp32 (bit-identical training, tested), but it moves every backward value by
-log2(c) octaves, so a small model's histogram can be put where SSD's was (Sec. 3.2, Fig. 3).
+fp32 (bit-identical training, tested), but it moves every backward value by log2(c) octaves.
+No experiment sets it: the precision experiments' regime comes from their loss
+(objectives/dense_classification.py, experiments/precision.md).
 """
 
 from __future__ import annotations
