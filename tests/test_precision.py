@@ -319,7 +319,7 @@ def check_verdicts(runs: dict) -> None:
 # reproduce the accuracy drop (experiments/precision.md, seeds 0 and 100-101), so the full verdict
 # test is a strict xfail: it turns into a failure the day the verdicts hold.
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="fp16 without scaling does not fall 2 SE below fp32 in this regime "
+@pytest.mark.xfail(strict=True, reason="the precision verdicts do not all hold in the SSD-structured regime "
                    "(experiments/precision.md)")
 @pytest.mark.parametrize("mode", ["fp16_emulated"])
 def test_precision_verdicts_hold_and_evidence_fails_on_each_control(tmp_path, mode):
