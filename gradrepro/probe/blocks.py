@@ -58,13 +58,10 @@ class Layout:
         real[last] = (self.numel - (count - 1) * block)[count > 0]
         self.real = real  # entries of each block that belong to its segment
         self.real_t = torch.tensor(real, dtype=torch.float32, device=self.device)
-        # The blocks with padding (each segment's last, unless it is full), and per such block
-        # a row of 1 (its entries) and 0 (the padding): zero_pads_ works on whole rows, which
-        # copy as a unit, where an index per padding entry is several passes' worth on CPU.
-        partial = last[real[last] < block]
-        self.partial = torch.tensor(partial, dtype=torch.int64, device=self.device) if len(partial) else None
-        mask = np.arange(block)[None, :] < real[partial][:, None]
-        self.tail_mask = torch.tensor(mask, dtype=torch.float32, device=self.device)
+        self.partial, self.tail, self.arange = _pads(real, last[real[last] < block], block, self.device)
+
+    def windows(self, dtype, blocks: Optional[int] = None) -> "Windows":
+        return Windows(self, dtype, blocks or WINDOW_BLOCKS)
 
     def buffer(self, shapes: Sequence[Tuple[int, ...]], dtype=torch.float32) -> "Buffer":
         return Buffer(self, shapes, dtype)
@@ -89,6 +86,14 @@ class Buffer:
             for f, n, shape in zip(layout.first, layout.numel, shapes)]
 
 
+    def release(self) -> None:
+        release_(self.flat)
+
+    def regrow(self) -> None:
+        """The memory back (its contents undefined: pads included); the views hold again."""
+        regrow_(self.flat)
+
+
 class Stats:
     """Named per-block rows of one tensor (the device side of the one transfer)."""
 
@@ -99,6 +104,138 @@ class Stats:
         self.names = tuple(rows)
         self.scales = tuple(torch.tensor(s, dtype=dtype, device=layout.device)
                             for s in (SCALE_UP, SCALE_DOWN))
+
+    def release(self) -> None:
+        release_(self.data)
+
+    def regrow(self) -> None:
+        """The memory back, zeroed (rows of segments a step does not reach read as zeros)."""
+        regrow_(self.data)
+        self.data.zero_()
+
+
+# -- memory between logged steps: none ----------------------------------------------------
+#
+# A buffer's memory is handed back after each logged step by shrinking its storage to 0 bytes
+# and grown again on the next (``untyped_storage().resize_``, as FSDP2 frees unsharded
+# parameters): the views into it stay valid objects, so no view is made anew on a logged step
+# (each would be one more operation) and nothing of the buffer is held in between.
+
+
+def release_(t: torch.Tensor) -> None:
+    storage = t.untyped_storage()
+    if storage.nbytes():
+        storage.resize_(0)
+
+
+def regrow_(t: torch.Tensor) -> None:
+    storage = t.untyped_storage()
+    need = (t.storage_offset() + t.numel()) * t.element_size()
+    if storage.nbytes() < need:
+        storage.resize_(need)
+
+
+def _pads(real: np.ndarray, partial: np.ndarray, block: int, device: torch.device):
+    """The blocks with padding (each segment's last, unless it is full) as a device index, and
+    per such block its entries as a column: ``arange < tail`` is its mask (made on use, so
+    that a layout keeps a few bytes per segment, not a row of BLOCK per segment)."""
+    arange = torch.arange(block, dtype=torch.float32, device=device).view(1, block)
+    if not len(partial):
+        return None, None, arange
+    tail = torch.tensor(real[partial], dtype=torch.float32, device=device).view(-1, 1)
+    return torch.tensor(partial, dtype=torch.int64, device=device), tail, arange
+
+
+# -- fixed-size windows: a layout's blocks reduced a window at a time ------------------------
+
+# Blocks of a window: 2 Mi entries, 8 MiB in float32 (16 MiB in float64), whatever the model.
+WINDOW_BLOCKS = 1024
+
+
+class _Rows:
+    """Rows ``[start, stop)`` of a buffer (or of a window's buffer): ``flat`` and ``grid``."""
+
+    def __init__(self, grid: torch.Tensor) -> None:
+        self.grid = grid
+        self.flat = grid.view(-1)
+
+
+class _Part:
+    """One window: its blocks of the layout, where each segment's piece of it sits in the
+    window's buffer, and what ``moments_`` and ``zero_pads_`` need of the layout there."""
+
+    def __init__(self, layout: Layout, shapes, start: int, stop: int, buffer: torch.Tensor) -> None:
+        block = layout.block
+        self.start, self.stop = start, stop
+        self.work = _Rows(buffer.view(-1, block)[: stop - start])
+        self.real_t = layout.real_t[start:stop]
+        last = layout.first + np.maximum(-(-layout.numel // block), 1) - 1
+        partial = np.flatnonzero(layout.real[start:stop] < block)
+        self.partial, self.tail, _ = _pads(layout.real[start:stop], partial, block, layout.device)
+        self.arange = layout.arange
+        self.pieces: List[Tuple[int, int, int, torch.Tensor, bool]] = []
+        for i, (first, numel) in enumerate(zip(layout.first, layout.numel)):
+            lo, hi = max(int(first), start), min(int(last[i]) + 1, stop)
+            if numel == 0 or lo >= hi:
+                continue
+            begin = (lo - int(first)) * block
+            length = min(int(numel) - begin, (hi - lo) * block)
+            whole = begin == 0 and length == numel
+            target = self.work.flat.narrow(0, (lo - start) * block, length)
+            self.pieces.append((i, begin, length, target.view(shapes[i]) if whole else target, whole))
+
+
+class Windows:
+    """A layout reduced ``blocks`` blocks at a time in one buffer of that size: the copies in
+    and the block passes of ``moments_``, ``squares`` and ``level_sums_`` run per window, and
+    each window's per-block rows land in the layout's ``Stats`` rows of its blocks. The same
+    passes on the same blocks give the same per-block values as one whole-layout buffer."""
+
+    def __init__(self, layout: Layout, shapes, dtype, blocks: int) -> None:
+        self.layout = layout
+        rows = min(blocks, layout.blocks)
+        self.buffer = torch.zeros(rows * layout.block, dtype=dtype, device=layout.device)
+        spans = [(b, min(b + blocks, layout.blocks)) for b in range(0, layout.blocks, blocks)] or [(0, 0)]
+        self.parts = [_Part(layout, shapes, a, b, self.buffer) for a, b in spans]
+        self._rows: Dict[int, tuple] = {}
+
+    def release(self) -> None:
+        release_(self.buffer)
+
+    def regrow(self) -> None:
+        regrow_(self.buffer)
+
+    def pieces(self, part: _Part, tensors: Dict[int, torch.Tensor]):
+        """(targets, sources) of one window for the segments in ``tensors`` (segment -> tensor):
+        a tensor whose blocks all lie in the window is copied whole, else its piece."""
+        targets, sources = [], []
+        for i, begin, length, target, whole in part.pieces:
+            t = tensors.get(i)
+            if t is not None:
+                targets.append(target)
+                sources.append(t if whole else t.reshape(-1).narrow(0, begin, length))
+        return targets, sources
+
+    def rows(self, of) -> list:
+        """Per window, the views of ``of`` (a whole-layout ``Buffer`` or ``Stats``) at its
+        blocks, made once (views of a released buffer stay valid)."""
+        cached = self._rows.get(id(of))
+        if cached is None or cached[0] is not of:
+            if isinstance(of, Stats):
+                views = [_StatRows(of, p.start, p.stop) for p in self.parts]
+            else:
+                views = [_Rows(of.grid[p.start:p.stop]) for p in self.parts]
+            cached = self._rows[id(of)] = (of, views)
+        return cached[1]
+
+
+class _StatRows:
+    """Rows of a ``Stats`` at blocks ``[start, stop)``, used as a ``Stats`` by the passes."""
+
+    def __init__(self, stats: Stats, start: int, stop: int) -> None:
+        self.row = {name: r[start:stop] for name, r in stats.row.items()}
+        self.column = {name: r.view(-1, 1) for name, r in self.row.items()}
+        self.names, self.scales = stats.names, stats.scales
 
 
 # -- device passes (a fixed number of operations each, whatever the number of segments) ----
@@ -118,9 +255,11 @@ def moments_(buf: Buffer, layout: Layout, stats: Stats, prefix: str) -> None:
 
 
 def zero_pads_(buf: Buffer, layout: Layout) -> None:
+    """Zero the padding of the blocks that have some: whole rows, which copy as a unit (an
+    index per padding entry is several passes' worth on CPU), times their entries' mask."""
     if layout.partial is not None:
         grid = buf.grid
-        grid.index_copy_(0, layout.partial, grid.index_select(0, layout.partial).mul_(layout.tail_mask))
+        grid.index_copy_(0, layout.partial, grid.index_select(0, layout.partial).mul_(layout.arange < layout.tail))
 
 
 def squares(grid: torch.Tensor, stats: Stats, prefix: str, work: torch.Tensor) -> None:
@@ -137,28 +276,27 @@ _BF16_HALF_ULP = 2.0**-8
 _EXPONENT_BITS = {torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
 
 
-def bf16_lost_(update: Buffer, work: Buffer, grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
-               have: Sequence[int], out: torch.Tensor) -> None:
+def bf16_lost_(update: "_Rows", work: "_Rows", grads: tuple, params: tuple, out: torch.Tensor) -> None:
     """Per block into ``out``: the entries whose gradient is not zero and whose update (in
     ``update``: before - after) is smaller than half a bf16 unit in the last place of the
     weight after the step (bf16 weights keep such an update as zero; where it was applied
-    the weight is unchanged, so after is before). A fixed number of passes plus two
-    multi-tensor copies; leaves both buffers zero, pads included."""
+    the weight is unchanged, so after is before). ``grads`` and ``params``: (targets in
+    ``work``, sources) of the blocks' segments (``Windows.pieces``). A fixed number of passes
+    plus two multi-tensor copies; spends both buffers (their contents are left undefined)."""
     flat, w = update.flat, work.flat
     bits, mask = _EXPONENT_BITS[w.dtype]
     huge = torch.finfo(w.dtype).max / 2  # above every threshold: an entry without gradient never counts
     w.zero_()
-    if have:
-        torch._foreach_copy_([work.views[i] for i in have], list(grads))
+    if grads[0]:
+        torch._foreach_copy_(list(grads[0]), list(grads[1]))
     w.eq_(0).mul_(huge)
     flat.abs_().add_(w)  # |u|, or huge where the gradient is zero (pads included)
-    torch._foreach_copy_(list(work.views), list(params))
+    if params[0]:
+        torch._foreach_copy_(list(params[0]), list(params[1]))
     w_bits = w.view(bits)
     torch.bitwise_and(w_bits, mask, out=w_bits)  # 2^floor(log2|w|); pads keep huge's
     w.mul_(_BF16_HALF_ULP).sub_(flat).clamp_(min=0).sign_()  # 1 where |u| < half an ulp
     torch.sum(work.grid, 1, out=out)
-    w.zero_()
-    flat.zero_()
 
 
 def level_sums_(grid: torch.Tensor, stats: Stats, prefix: str, nan: bool = True) -> None:

@@ -33,13 +33,18 @@ from gradrepro.probe.blocks import (
     LEVEL_ROWS,
     MOMENT_ROWS,
     SQUARE_ROWS,
+    WINDOW_BLOCKS,
     Buffer,
     Layout,
     Stats,
+    Windows,
     bf16_lost_,
     level_sums_,
     moments_,
+    regrow_,
+    release_,
     squares,
+    zero_pads_,
 )
 from gradrepro.probe.columns import activation_columns, gradient_columns
 from gradrepro.probe.extras import contribution_norms, optional_parts, step_residuals
@@ -103,11 +108,16 @@ class Probe:
         # Per module, the updates bf16 weights round away (frac_bf16_update_lost): measured
         # when the recorder sees bf16 weights or bf16 autocast; two buffer passes more.
         self.bf16 = False
-        # Gradients, parameters before the step (then the update) and what .grad carried in,
-        # each one block buffer of the same layout (made at the first logged step).
+        # Gradients pass through fixed-size windows (blocks.Windows) a window at a time; the
+        # parameters before the step (then the update) and what .grad carried in are each a
+        # block buffer of the same layout, held from the step's collect (or first forward
+        # pass) to its end. All are made at the first logged step and their memory is handed
+        # back at the end of every logged step (blocks.release_): none is held in between.
         self.layout: Optional[Layout] = None
         self.stats: Optional[Stats] = None
-        self._grads: Optional[Buffer] = None
+        self.window_blocks: Optional[int] = None  # blocks.WINDOW_BLOCKS unless set
+        self._windows: Optional[Windows] = None
+        self._dtype = torch.float32
         self._before: Optional[Buffer] = None
         self._carried: Optional[Buffer] = None
         self._carrying = False
@@ -169,7 +179,8 @@ class Probe:
     def _carry_buffer(self) -> None:
         self._ensure_layout()
         if self._carried is None:
-            self._carried = self.layout.buffer(self.shapes, self._grads.flat.dtype)
+            self._carried = self.layout.buffer(self.shapes, self._dtype)
+        self._carried.regrow()
         self._carried.flat.zero_()
 
     def _carry_when_backward_arrives(self) -> None:
@@ -255,11 +266,12 @@ class Probe:
         device = self.params[0].device
         wide = any(p.dtype in (torch.float64, torch.complex128) for p in self.params)
         dtype = torch.float64 if wide else torch.float32
-        if self.layout is not None and self.layout.device == device and self._grads.flat.dtype == dtype:
+        if self.layout is not None and self.layout.device == device and self._dtype == dtype:
             return
         shapes = self.shapes
         self.layout = Layout(self.local_numel, device)
-        self._grads = self.layout.buffer(shapes, dtype)
+        self._dtype = dtype
+        self._windows = Windows(self.layout, shapes, dtype, self.window_blocks or WINDOW_BLOCKS)
         self._before = self.layout.buffer(shapes, dtype)
         self._carried = None
         self.stats = self.layout.stats(PARAM_ROWS, dtype)
@@ -271,25 +283,38 @@ class Probe:
             self._reduce_stashes()
             have = [i for i, p in enumerate(self.params) if p.grad is not None]
             grads = [_real(self.params[i].grad) for i in have]
-            grad_buf, stats = self._grads, self.stats
-            if have:
-                targets = [grad_buf.views[i] for i in have]
-                _copy_(targets, grads)
-                level_sums_(grad_buf.flat.abs_().view_as(grad_buf.grid), stats, "g_", nan=False)
-                _copy_(targets, grads)
-                if self._carrying:  # this step's own gradient: .grad minus what it carried in
-                    torch.sub(grad_buf.flat, self._carried.flat, out=self._carried.flat)
-                moments_(grad_buf, self.layout, stats, "g_")
-                if self._carrying:
-                    squares(self._carried.grid, stats, "f_", work=grad_buf.grid)
+            windows, stats = self._windows, self.stats
+            windows.regrow()
+            stats.regrow()
+            grad_of = dict(zip(have, grads))
+            carried = windows.rows(self._carried) if self._carrying else None
+            for w, (part, rows) in enumerate(zip(windows.parts, windows.rows(stats))):
+                targets, sources = windows.pieces(part, grad_of)
+                if not targets:  # no gradient in this window: its rows stay zero (never read)
+                    continue
+                work = part.work
+                work.flat.zero_()  # the pads, and the segments without a gradient
+                _copy_(targets, sources)
+                work.flat.abs_()
+                level_sums_(work.grid, rows, "g_", nan=False)
+                _copy_(targets, sources)
+                if carried is not None:  # this step's own gradient: .grad minus what it carried in
+                    torch.sub(work.flat, carried[w].flat, out=carried[w].flat)
+                moments_(work, part, rows, "g_")
+                if carried is not None:
+                    squares(carried[w].grid, rows, "f_", work=work.grid)
             fresh = grads if not self._carrying else [self._carried.views[i] for i in have]
             if self._summing:
                 if self._running is None:
                     self._running = [torch.zeros(s, dtype=torch.float64, device=device) for s in self.shapes]
                 for i, f in zip(have, fresh):
                     self._running[i] += f.double()
-            _copy_(self._before.views, self._real_params())
-            squares(self._before.grid, stats, "p_", work=grad_buf.grid)
+            before = self._before
+            before.regrow()
+            _copy_(before.views, self._real_params())
+            zero_pads_(before, self.layout)
+            for part, rows, b in zip(windows.parts, windows.rows(stats), windows.rows(before)):
+                squares(b.grid, rows, "p_", work=part.work.grid)
         self._pending = {"have": have, "grads": grads, "carried": self._carrying,
                          "fresh": fresh if self._summing else None}
 
@@ -309,6 +334,11 @@ class Probe:
             torch.abs(ag.buffer.flat, out=work)
             level_sums_(work.view_as(ag.buffer.grid), ag.stats, "", nan=True)
             moments_(ag.buffer, ag.layout, ag.stats, "")
+        # The samples are spent: their memory goes back before the gradients' passes.
+        acts.release_buffer()
+        ag.release_buffer()
+        if self._work is not None:
+            release_(self._work)
 
     def _work_for(self, stash: Stash) -> torch.Tensor:
         """A buffer of ``stash``'s size kept for its level pass (its pads stay zero: only
@@ -316,16 +346,19 @@ class Probe:
         flat = stash.buffer.flat
         if self._work is None or self._work.shape != flat.shape or self._work.device != flat.device:
             self._work = torch.zeros_like(flat)
+        regrow_(self._work)  # written whole by its one use (torch.abs(..., out=))
         return self._work
 
     # -- after the optimizer step: update norms and the one host transfer -----------------
     def _after_step(self, step: int) -> Dict[str, np.ndarray]:
         pending = self._pending
         self._pending = None
+        windows, before = self._windows, self._before
         with torch.no_grad():
             params = self._real_params()
-            torch._foreach_sub_(self._before.views, params)  # before - after
-            squares(self._before.grid, self.stats, "u_", work=self._grads.grid)
+            torch._foreach_sub_(before.views, params)  # before - after
+            for part, rows, b in zip(windows.parts, windows.rows(self.stats), windows.rows(before)):
+                squares(b.grid, rows, "u_", work=part.work.grid)
             parts = {"params": self.stats.data}
             if self.acts.seen:
                 parts["acts"] = self.acts.stats.data
@@ -337,12 +370,32 @@ class Probe:
             parts.update(optional_parts(self.module_of, self._per_example, self._act_grad_hist,
                                         self._contrib))
             if self.bf16:  # last: it spends the update buffer
-                bf16_lost_(self._before, self._grads, pending["grads"], params, pending["have"],
-                           self.stats.row["b_lost"])
+                grad_of = dict(zip(pending["have"], pending["grads"]))
+                param_of = dict(enumerate(params))
+                for part, rows, b in zip(windows.parts, windows.rows(self.stats), windows.rows(before)):
+                    bf16_lost_(b, part.work, windows.pieces(part, grad_of), windows.pieces(part, param_of),
+                               rows.row["b_lost"])
             host = to_host(parts)  # the one transfer
+        self._release()
         columns = gradient_columns(self, step, host, pending)
         columns.update(activation_columns(self, host))
+        self._contrib.clear()
         return columns
+
+    def _release(self) -> None:
+        """Hand back the memory of every buffer of the step (their views stay valid objects,
+        blocks.release_) and drop what the hooks kept: between logged steps the probe holds
+        only its layouts' few bytes per block and per tensor."""
+        for buf in (self._windows, self._before, self._carried, self.stats):
+            if buf is not None:
+                buf.release()
+        self.acts.release()
+        self.act_grads.release()
+        if self._work is not None:
+            release_(self._work)
+        for kept in (self._act_grad_hist, self._inputs, self._per_example):
+            kept.clear()
+        self._pending = None  # it refers to the step's gradients
 
 
 def _compiling() -> bool:

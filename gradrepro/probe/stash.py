@@ -5,6 +5,8 @@ whatever it will be reduced to.
 A module's slot is a view of the buffer shaped like its sample. The first logged step (or a
 step whose shapes changed: another batch size, a module seen for the first time) lays the
 buffer out anew from what the hooks saw; every later step copies straight into the slots.
+The buffer's memory is held from the start of a logged step until its samples are reduced
+(``release_buffer``), not in between: the slots stay valid views (blocks.release_).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Dict, Optional
 
 import torch
 
-from gradrepro.probe.blocks import Buffer, Layout, Stats
+from gradrepro.probe.blocks import Buffer, Layout, Stats, regrow_, release_
 
 
 class Stash:
@@ -31,8 +33,23 @@ class Stash:
         self._loose: Dict[str, torch.Tensor] = {}
 
     def begin(self) -> None:
+        """A logged step starts: the buffer's memory back, zeroed (its pads must be)."""
         self.seen.clear()
         self._loose.clear()
+        if self.buffer is not None:
+            self.buffer.regrow()
+            self.buffer.flat.zero_()
+
+    def release_buffer(self) -> None:
+        """The samples are reduced: hand back the buffer's memory (the statistics' rows go
+        with ``release``, after the step's transfer)."""
+        if self.buffer is not None:
+            self.buffer.release()
+
+    def release(self) -> None:
+        self.release_buffer()
+        if self.stats is not None:
+            release_(self.stats.data)
 
     def __contains__(self, name: str) -> bool:
         return name in self.seen
@@ -56,6 +73,7 @@ class Stash:
             return False
         if self._loose or (like is not None and self.layout is not like.layout and self._fits(like)):
             self._lay_out(like if like is not None and self._fits(like) else None)
+        regrow_(self.stats.data)  # every row of every block is written by the reduction
         return True
 
     def _samples(self) -> Dict[str, torch.Tensor]:

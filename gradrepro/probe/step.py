@@ -43,3 +43,5 @@ class ProbeStep:
         self.probe._disarm()
         if self.logged and exc_type is None and self.probe._pending is not None:
             self.columns = self.probe._after_step(self.step)
+        if self.logged:  # nothing of the step's buffers is held until the next logged step
+            self.probe._release()
