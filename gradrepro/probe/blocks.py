@@ -60,11 +60,11 @@ class Layout:
         self.real_t = torch.tensor(real, dtype=torch.float32, device=self.device)
         self.partial, self.tail, self.arange = _pads(real, last[real[last] < block], block, self.device)
 
-    def windows(self, dtype, blocks: Optional[int] = None) -> "Windows":
-        return Windows(self, dtype, blocks or WINDOW_BLOCKS)
+    def windows(self, shapes, dtype=torch.float32, blocks: Optional[int] = None) -> "Windows":
+        return Windows(self, shapes, dtype, blocks or WINDOW_BLOCKS)
 
-    def buffer(self, shapes: Sequence[Tuple[int, ...]], dtype=torch.float32) -> "Buffer":
-        return Buffer(self, shapes, dtype)
+    def buffer(self, shapes: Sequence[Tuple[int, ...]], dtype=torch.float32, zeros: bool = True) -> "Buffer":
+        return Buffer(self, shapes, dtype, zeros)
 
     def stats(self, rows: Sequence[str], dtype=torch.float32) -> "Stats":
         return Stats(self, rows, dtype)
@@ -78,8 +78,9 @@ class Buffer:
     """One flat zero-padded buffer of a layout: ``grid`` (blocks x BLOCK) and, per segment, a
     view of the given shape (the copy target for that tensor)."""
 
-    def __init__(self, layout: Layout, shapes: Sequence[Tuple[int, ...]], dtype) -> None:
-        self.flat = torch.zeros(layout.blocks * layout.block, dtype=dtype, device=layout.device)
+    def __init__(self, layout: Layout, shapes: Sequence[Tuple[int, ...]], dtype, zeros: bool = True) -> None:
+        make = torch.zeros if zeros else torch.empty  # empty: the caller writes every entry and pad
+        self.flat = make(layout.blocks * layout.block, dtype=dtype, device=layout.device)
         self.grid = self.flat.view(layout.blocks, layout.block)
         self.views: List[torch.Tensor] = [
             self.flat.narrow(0, int(f) * layout.block, int(n)).view(shape)
@@ -194,7 +195,7 @@ class Windows:
     def __init__(self, layout: Layout, shapes, dtype, blocks: int) -> None:
         self.layout = layout
         rows = min(blocks, layout.blocks)
-        self.buffer = torch.zeros(rows * layout.block, dtype=dtype, device=layout.device)
+        self.buffer = torch.empty(rows * layout.block, dtype=dtype, device=layout.device)
         spans = [(b, min(b + blocks, layout.blocks)) for b in range(0, layout.blocks, blocks)] or [(0, 0)]
         self.parts = [_Part(layout, shapes, a, b, self.buffer) for a, b in spans]
         self._rows: Dict[int, tuple] = {}

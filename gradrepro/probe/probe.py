@@ -33,7 +33,6 @@ from gradrepro.probe.blocks import (
     LEVEL_ROWS,
     MOMENT_ROWS,
     SQUARE_ROWS,
-    WINDOW_BLOCKS,
     Buffer,
     Layout,
     Stats,
@@ -271,10 +270,14 @@ class Probe:
         shapes = self.shapes
         self.layout = Layout(self.local_numel, device)
         self._dtype = dtype
-        self._windows = Windows(self.layout, shapes, dtype, self.window_blocks or WINDOW_BLOCKS)
-        self._before = self.layout.buffer(shapes, dtype)
+        self._windows = self.layout.windows(shapes, dtype, self.window_blocks)
+        self._before = self.layout.buffer(shapes, dtype, zeros=False)
         self._carried = None
         self.stats = self.layout.stats(PARAM_ROWS, dtype)
+        # No memory until each is needed (regrow_): the stashes are reduced and handed back first.
+        self._windows.release()
+        self._before.release()
+        self.stats.release()
 
     def _collect(self) -> None:
         device = self.params[0].device

@@ -16,7 +16,7 @@ from typing import Dict, Optional
 
 import torch
 
-from gradrepro.probe.blocks import Buffer, Layout, Stats, regrow_, release_
+from gradrepro.probe.blocks import Buffer, Layout, Stats, regrow_, release_, zero_pads_
 
 
 class Stash:
@@ -93,10 +93,14 @@ class Stash:
             shapes = [tuple(s.shape) for s in samples.values()]
             device = next(iter(samples.values())).device
             self.layout = Layout([math.prod(shape) for shape in shapes], device)
-        self.buffer = self.layout.buffer([tuple(s.shape) for s in samples.values()])
+        # Not zeroed first: each sample is copied in and its loose copy dropped at once, so the
+        # pages of the new buffer fill as the loose copies' go (no second copy of every sample
+        # at once), and the pads are zeroed after.
+        self.buffer = self.layout.buffer([tuple(s.shape) for s in samples.values()], zeros=False)
         self.stats = self.layout.stats(self.rows)
         self.index = {name: i for i, name in enumerate(samples)}
         self._slots = dict(zip(samples, self.buffer.views))
-        for name, sample in samples.items():
-            self._slots[name].copy_(sample)
-        self._loose.clear()
+        for name in list(samples):
+            self._slots[name].copy_(samples.pop(name))
+            self._loose.pop(name, None)
+        zero_pads_(self.buffer, self.layout)

@@ -1,0 +1,120 @@
+"""What the probe holds in memory: nothing of its buffers between logged steps (their storage is
+handed back at the end of each logged step), and gradients reduced a fixed-size window at a
+time giving the same per-block rows as one whole-layout buffer."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from gradrepro.probe import Probe
+from gradrepro.probe.blocks import (
+    BLOCK,
+    LEVEL_ROWS,
+    MOMENT_ROWS,
+    SQUARE_ROWS,
+    Layout,
+    level_sums_,
+    moments_,
+    squares,
+)
+from gradrepro.probe.config import ProbeConfig
+
+
+def held_bytes(obj, exclude: set) -> int:
+    """Bytes of the distinct tensor storages reachable from ``obj`` through attributes,
+    dicts, lists and tuples, but those in ``exclude`` (the model's own parameters and
+    gradients, which the probe refers to but does not own)."""
+    seen_obj, storages = set(), {}
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen_obj:
+            continue
+        seen_obj.add(id(o))
+        if torch.is_tensor(o):
+            s = o.untyped_storage()
+            if s.data_ptr() not in exclude:
+                storages[(s.data_ptr(), id(s) if s.data_ptr() == 0 else 0)] = s.nbytes()
+            continue
+        if isinstance(o, dict):
+            stack += list(o.keys()) + list(o.values())
+        elif isinstance(o, (list, tuple, set)):
+            stack += list(o)
+        elif hasattr(o, "__dict__") and type(o).__module__.startswith("gradrepro"):
+            stack += list(vars(o).values())
+    return sum(storages.values())
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                         nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+def test_probe_holds_no_buffer_between_logged_steps():
+    net = _net()
+    n_params = sum(p.numel() for p in net.parameters())  # 560 K entries: 2.2 MB in float32
+    probe = Probe(net, ProbeConfig(every=4, act_sample=8), total_steps=100)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    blocks = sum(-(-p.numel() // BLOCK) for p in net.parameters())
+    # What may stay: the layouts' constants, a few bytes per block and per tensor, and one
+    # row of BLOCK entries per layout (blocks._pads): far below one copy of the parameters.
+    allowed = 3 * 4 * BLOCK + 16 * blocks + 64 * len(list(net.parameters())) + 4096
+    assert allowed < 4 * n_params / 20
+    for step in range(6):
+        opt.zero_grad(set_to_none=True)
+        with probe.step(step, lr=0.1) as p:
+            nn.functional.cross_entropy(net(x), y).backward()
+            p.collect()
+            opt.step()
+        own = {t.untyped_storage().data_ptr() for q in net.parameters() for t in (q, q.grad) if t is not None}
+        held = held_bytes(probe, own)
+        assert held <= allowed, (step, p.logged, held, allowed)
+        if step == 0:
+            assert p.columns is not None and np.isfinite(p.columns["update_to_param"]).all()
+    # The next logged step regrows what it needs and records the same kind of row.
+    with probe.step(8, lr=0.1) as p:
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(net(x), y).backward()
+        p.collect()
+        opt.step()
+    assert p.columns is not None and np.isfinite(p.columns["grad_norm"]).all()
+
+
+def test_window_rows_equal_the_whole_buffer_rows():
+    g = torch.Generator().manual_seed(3)
+    sizes = [5000, 3, 2048, 7000, 1, 4097, 0, 300]
+    xs = [torch.randn(n, generator=g) * 10.0 ** torch.randint(-30, 3, (n,), generator=g) for n in sizes]
+    xs[3][:50] = 0.0
+    shapes = [x.shape for x in xs]
+    layout = Layout([x.numel() for x in xs], "cpu")
+    rows = tuple("g_" + r for r in MOMENT_ROWS + LEVEL_ROWS) + tuple("p_" + r for r in SQUARE_ROWS)
+
+    whole = layout.stats(rows)
+    buf = layout.buffer(shapes)
+    for v, x in zip(buf.views, xs):
+        v.copy_(x)
+    level_sums_(buf.flat.abs_().view_as(buf.grid), whole, "g_", nan=False)
+    for v, x in zip(buf.views, xs):
+        v.copy_(x)
+    squares(buf.grid, whole, "p_", work=torch.empty_like(buf.grid))
+    moments_(buf, layout, whole, "g_")
+
+    windowed = layout.stats(rows)
+    windows = layout.windows(shapes, torch.float32, blocks=2)  # tensors split across windows
+    assert len(windows.parts) > 3
+    of = dict(enumerate(xs))
+    for part, r in zip(windows.parts, windows.rows(windowed)):
+        targets, sources = windows.pieces(part, of)
+        work = part.work
+        work.flat.zero_()
+        torch._foreach_copy_(targets, sources)
+        work.flat.abs_()
+        level_sums_(work.grid, r, "g_", nan=False)
+        torch._foreach_copy_(targets, sources)
+        squares(work.grid, r, "p_", work=torch.empty_like(work.grid))
+        moments_(work, part, r, "g_")
+    assert torch.equal(windowed.data, whole.data)
