@@ -118,3 +118,15 @@ def test_window_rows_equal_the_whole_buffer_rows():
         squares(work.grid, r, "p_", work=torch.empty_like(work.grid))
         moments_(work, part, r, "g_")
     assert torch.equal(windowed.data, whole.data)
+
+
+def test_pads_of_memory_just_grown_are_zeroed_even_from_nan():
+    layout = Layout([5, 3000], "cpu")
+    buf = layout.buffer([(5,), (3000,)], zeros=False)
+    buf.flat.fill_(float("nan"))  # what a regrown storage may hold
+    for v in buf.views:
+        v.fill_(1.0)
+    from gradrepro.probe.blocks import zero_pads_
+
+    zero_pads_(buf, layout)
+    assert torch.isfinite(buf.flat).all() and float(buf.flat.sum()) == 3005.0

@@ -257,10 +257,12 @@ def moments_(buf: Buffer, layout: Layout, stats: Stats, prefix: str) -> None:
 
 def zero_pads_(buf: Buffer, layout: Layout) -> None:
     """Zero the padding of the blocks that have some: whole rows, which copy as a unit (an
-    index per padding entry is several passes' worth on CPU), times their entries' mask."""
+    index per padding entry is several passes' worth on CPU), filled with 0 past their
+    entries (a fill, not a product: a pad of memory just grown may hold NaN)."""
     if layout.partial is not None:
         grid = buf.grid
-        grid.index_copy_(0, layout.partial, grid.index_select(0, layout.partial).mul_(layout.arange < layout.tail))
+        rows = grid.index_select(0, layout.partial).masked_fill_(layout.arange >= layout.tail, 0.0)
+        grid.index_copy_(0, layout.partial, rows)
 
 
 def squares(grid: torch.Tensor, stats: Stats, prefix: str, work: torch.Tensor) -> None:
