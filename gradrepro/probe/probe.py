@@ -33,6 +33,7 @@ from gradrepro.probe.blocks import (
     LEVEL_ROWS,
     MOMENT_ROWS,
     SQUARE_ROWS,
+    WINDOW_BLOCKS,
     Buffer,
     Layout,
     Stats,
@@ -242,6 +243,9 @@ class Probe:
         def hook(grad: torch.Tensor) -> None:
             if name in self.act_grads:  # only the main backward, not task-contribution passes
                 return
+            if not self.acts.closed:  # backward has begun: the outputs' samples are complete
+                with torch.no_grad():
+                    self._reduce_acts()
             # std is reported without the loss scale; the zero/flush counts are of the
             # values backward actually carried (scaled), which is what fp16 has to hold.
             with torch.no_grad():
@@ -324,32 +328,49 @@ class Probe:
     def _real_params(self) -> List[torch.Tensor]:
         return [_real(p) for p in self.params] if self._complex or self._sharded else self.params
 
-    def _reduce_stashes(self) -> None:
-        """The hooks' samples, each stash in a fixed number of operations: moments of the
-        outputs; levels and moments of their gradients (the levels need a copy of the
-        gradients' absolute values: in the outputs' buffer once its moments are taken, when
-        the two share a layout, as they do when every hooked output requires grad)."""
-        acts, ag = self.acts, self.act_grads
+    def _reduce_acts(self) -> None:
+        """The outputs' samples, reduced (moments, a fixed number of operations) and handed
+        back as soon as backward begins, so that they and the output gradients' samples are
+        not held together."""
+        acts = self.acts
         if acts.settle():
             moments_(acts.buffer, acts.layout, acts.stats, "")
-        if ag.settle(like=acts):
-            work = acts.buffer.flat if ag.layout is acts.layout else self._work_for(ag)
-            torch.abs(ag.buffer.flat, out=work)
-            level_sums_(work.view_as(ag.buffer.grid), ag.stats, "", nan=True)
+        acts.release_buffer()
+
+    def _reduce_stashes(self) -> None:
+        """The hooks' samples, each stash in a fixed number of operations: moments of the
+        outputs (if backward did not already begin: ``_reduce_acts``); levels and moments of
+        their gradients (the levels need a work copy of the gradients' absolute values)."""
+        if not self.acts.closed:
+            self._reduce_acts()
+        ag = self.act_grads
+        if ag.settle(like=self.acts):  # the outputs' layout where it fits (the same blocks)
+            # The levels of |x| a window at a time in a fixed-size work buffer (one window, and
+            # no slicing, where the samples fit in one), then the moments in place.
+            grid, blocks = ag.buffer.grid, ag.layout.blocks
+            size = self.window_blocks or WINDOW_BLOCKS
+            work = self._work_for(min(blocks, size), grid.shape[1], grid.device)
+            if blocks <= size:
+                torch.abs(grid, out=work)
+                level_sums_(work, ag.stats, "", nan=True)
+            else:
+                for a in range(0, blocks, size):
+                    b = min(a + size, blocks)
+                    w = work[: b - a]
+                    torch.abs(grid[a:b], out=w)
+                    level_sums_(w, _RowsOf(ag.stats, a, b), "", nan=True)
             moments_(ag.buffer, ag.layout, ag.stats, "")
         # The samples are spent: their memory goes back before the gradients' passes.
-        acts.release_buffer()
         ag.release_buffer()
         if self._work is not None:
             release_(self._work)
 
-    def _work_for(self, stash: Stash) -> torch.Tensor:
-        """A buffer of ``stash``'s size kept for its level pass (its pads stay zero: only
-        copies of the stash's own buffer are written into it)."""
-        flat = stash.buffer.flat
-        if self._work is None or self._work.shape != flat.shape or self._work.device != flat.device:
-            self._work = torch.zeros_like(flat)
-        regrow_(self._work)  # written whole by its one use (torch.abs(..., out=))
+    def _work_for(self, rows: int, block: int, device: torch.device) -> torch.Tensor:
+        """A ``rows x block`` float32 buffer for the output gradients' level pass (written
+        whole by ``torch.abs(..., out=)`` before each use; its memory handed back after)."""
+        if self._work is None or self._work.shape != (rows, block) or self._work.device != device:
+            self._work = torch.empty(rows, block, dtype=torch.float32, device=device)
+        regrow_(self._work)
         return self._work
 
     # -- after the optimizer step: update norms and the one host transfer -----------------
@@ -399,6 +420,13 @@ class Probe:
         for kept in (self._act_grad_hist, self._inputs, self._per_example):
             kept.clear()
         self._pending = None  # it refers to the step's gradients
+
+
+class _RowsOf:
+    """Rows ``[a, b)`` of a stash's level rows, used as its ``Stats`` by ``level_sums_``."""
+
+    def __init__(self, stats: Stats, a: int, b: int) -> None:
+        self.row = {name: stats.row[name][a:b] for name in ("l1", "l2")}
 
 
 def _compiling() -> bool:

@@ -30,12 +30,14 @@ class Stash:
         self.index: Dict[str, int] = {}  # module name -> segment of the layout
         self._slots: Dict[str, torch.Tensor] = {}
         self.seen: Dict[str, float] = {}  # modules recorded this step, with their value
+        self.closed = True  # reduced (or no logged step begun): no sample is taken
         self._loose: Dict[str, torch.Tensor] = {}
 
     def begin(self) -> None:
         """A logged step starts: the buffer's memory back, zeroed (its pads must be)."""
         self.seen.clear()
         self._loose.clear()
+        self.closed = False
         if self.buffer is not None:
             self.buffer.regrow()
             self.buffer.flat.zero_()
@@ -43,6 +45,7 @@ class Stash:
     def release_buffer(self) -> None:
         """The samples are reduced: hand back the buffer's memory (the statistics' rows go
         with ``release``, after the step's transfer)."""
+        self.closed = True
         if self.buffer is not None:
             self.buffer.release()
 
@@ -56,7 +59,10 @@ class Stash:
 
     def put(self, name: str, sample: torch.Tensor, value: float = math.nan) -> None:
         """Copy ``sample`` into the module's slot (one operation), or keep a float32 copy
-        aside until ``settle`` lays out a buffer that has a slot for it."""
+        aside until ``settle`` lays out a buffer that has a slot for it. Nothing once the
+        stash is reduced (a forward pass that backward reruns: activation checkpointing)."""
+        if self.closed:
+            return
         slot = self._slots.get(name)
         if slot is not None and slot.shape == sample.shape and slot.device == sample.device:
             slot.copy_(sample)
