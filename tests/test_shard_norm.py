@@ -213,3 +213,17 @@ def test_processes_whose_starting_process_was_killed_stop_and_write_an_interrupt
     assert_nothing_left(tmp)
     summary = read_tables(run_dir)[0]
     assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM"
+
+
+def test_of_processes_noticed_ending_at_one_poll_the_one_killed_by_a_signal_is_named_the_cause():
+    from types import SimpleNamespace
+
+    from gradrepro.train.distributed import _cause_first
+
+    def process(rank, code, ended_at):
+        return SimpleNamespace(rank=rank, popen=SimpleNamespace(returncode=code), ended_at=ended_at)
+
+    failed_after, killed = process(0, 1, 5.0), process(1, -9, 5.0)
+    assert sorted([failed_after, killed], key=_cause_first)[0] is killed
+    earlier = process(0, 1, 4.0)  # noticed a poll before: it came first, however it ended
+    assert sorted([earlier, killed], key=_cause_first)[0] is earlier

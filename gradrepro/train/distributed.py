@@ -255,7 +255,9 @@ def _finish(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], start: flo
         raise UserError(first.result.get("error") or "a process refused the config")
     summary = _read_summary(run_dir)
     ended = {str(p.rank): p.how() for p in processes}
-    lost = [p for p in sorted(processes, key=lambda p: p.ended_at or float("inf")) if p.lost(forwarded)]
+    # The first to end is the cause; processes noticed ending at the same poll are told apart by
+    # how: one killed by a signal came first, the others then failed at their next collective.
+    lost = [p for p in sorted(processes, key=_cause_first) if p.lost(forwarded)]
     if summary is None:
         status = "interrupted" if forwarded and not lost else "failed"
         summary = stub_summary(cfg, overrides, status, start, signum=forwarded[0] if forwarded else None)
@@ -268,6 +270,12 @@ def _finish(cfg: DictConfig, run_dir: Path, overrides: Sequence[str], start: flo
     if first.result.get("kind") == "records":
         raise RecordsIncomplete(run_dir, first.result.get("error") or "summary.json could not be written")
     return written
+
+
+def _cause_first(process: Process) -> tuple:
+    """Sort key: ended earlier first; at the same poll, ended by a signal before exiting."""
+    code = process.popen.returncode
+    return (process.ended_at or float("inf"), 0 if code is not None and code < 0 else 1, process.rank)
 
 
 def lost_message(lost: Process, world: int, summary: Dict[str, Any], first: Process) -> str:
