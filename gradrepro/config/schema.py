@@ -79,6 +79,9 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     schedule: str = "constant"  # constant | cosine
+    # Modules (name prefixes, e.g. predictor) whose lr the schedule does not change: they keep
+    # optim.lr (SimSiam Table 1c, the predictor's lr not decayed).
+    fixed_lr: List[str] = field(default_factory=list)
 
 
 @dataclass

@@ -65,6 +65,35 @@ def knn_accuracy(
     return correct / len(query)
 
 
+def linear_probe_accuracy(
+    bank: torch.Tensor, bank_y: torch.Tensor, query: torch.Tensor, query_y: torch.Tensor,
+    steps: int = 100, weight_decay: float = 1e-4,
+) -> float:
+    """Accuracy on ``query`` of a linear classifier fitted on frozen ``bank`` features: the
+    linear evaluation of SimSiam (Chen & He 2021, Sec. 4 and App. A: a linear classifier on the
+    frozen backbone's features). Multinomial logistic regression on features standardised with
+    the bank's mean and std, full batch, L-BFGS from zero weights (deterministic, draws no random
+    numbers, so it leaves the run's random streams as they were)."""
+    bank, query = bank.detach().float(), query.detach().float()
+    mean, std = bank.mean(0), bank.std(0).clamp_min(1e-6)
+    bank, query = (bank - mean) / std, (query - mean) / std
+    num_classes = int(max(bank_y.max(), query_y.max())) + 1
+    weight = torch.zeros(bank.shape[1], num_classes, device=bank.device, requires_grad=True)
+    bias = torch.zeros(num_classes, device=bank.device, requires_grad=True)
+    opt = torch.optim.LBFGS([weight, bias], lr=1.0, max_iter=steps, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(bank @ weight + bias, bank_y) + weight_decay * weight.square().sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        opt.step(closure)
+    with torch.no_grad():
+        return ((query @ weight + bias).argmax(1) == query_y).float().mean().item()
+
+
 @torch.no_grad()
 def features(net: torch.nn.Module, x: torch.Tensor, batch: int = 1024) -> torch.Tensor:
     return torch.cat([net(x[i : i + batch]) for i in range(0, len(x), batch)])

@@ -60,6 +60,7 @@ def build_untrained(cfg: Any) -> Untrained:
     shard_model(net, "cuda" if cfg.device == "cuda" else "cpu")  # FSDP2 in a run of several processes
     check_prefixes(net, "train.freeze", list(cfg.train.freeze))
     check_prefixes(net, "train.eval_modules", list(cfg.train.eval_modules), parameters=False)
+    check_prefixes(net, "optim.fixed_lr", list(cfg.optim.fixed_lr))
     frozen = freeze(net, list(cfg.train.freeze))
     optimizer, scheduler = build_optimizer(net, cfg.optim, cfg.train.steps)
     return Untrained(objective, net, frozen, optimizer, scheduler, init_rng, facts)
