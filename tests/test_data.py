@@ -28,7 +28,7 @@ def test_patterns_views_share_the_pattern_not_the_background():
     data = build_data(cfg.data, seed=0)
     batch = data.sample(torch.Generator().manual_seed(0))
     assert batch.x.shape == (64, 1, 12, 12)
-    # The nuisance (std 2 background) dominates each image; the views are not copies.
+    # The nuisance (the background, std data.background_std) dominates each image; the views are not copies.
     assert float((batch.x - batch.x2).std()) > 1.0
     # Same class template for both views: the template's sign pattern is recoverable from
     # the view difference only where it did not move; check labels instead.
