@@ -63,7 +63,7 @@ def test_divergence_is_a_result_with_its_records(cli):
     assert (broken["frac_nonfinite"] > 0).any()
     assert not math.isfinite(scalars.set_index("step").loc[stopped, "grad_norm"])
     # The verdict is evaluated on what exists: every check is reported, none crashed.
-    assert [c["metric"] for c in summary["checks"]] == ["z_std", "progress_to", "knn_acc"]
+    assert [c["metric"] for c in summary["checks"]] == ["linear_acc", "z_std", "progress_to", "knn_acc"]
     assert summary["reproduced"] is False
     assert (result.run_dir / "signals.png").exists()
 
