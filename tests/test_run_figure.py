@@ -16,7 +16,7 @@ def test_the_run_figure_shows_every_scalar_a_check_reads(tmp_path):
     scalars = pd.DataFrame({"step": [0, 1, 2], "loss": [0.0, -0.5, -0.9], "z_std": [0.1, 0.05, 0.01],
                             "knn_acc": [0.3, None, 0.9]})
     shown = checked_scalars(checks, list(scalars.columns))
-    assert list(shown) == ["knn_acc", "z_std"]  # the k-NN accuracy is drawn, the loss has its own panel
+    assert list(shown) == ["z_std", "knn_acc"]  # the k-NN accuracy is drawn, the loss has its own panel
     assert shown["knn_acc"] == [pytest.approx(0.1 + 3 * math.sqrt(0.09 / 64))]  # tiny: 64 queries
     relative = [{"metric": "steps_to", "op": "<=", "threshold": 0.5,
                  "params": {"column": "train_acc", "relative_to": "no_bn"}}]

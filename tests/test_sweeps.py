@@ -240,8 +240,8 @@ def test_compare_cli_formats(joblib_sweep, tmp_path):
         "runs": 4,
         "groups": 2,
         "pairs": 1,
-        "checks": 6,  # the ablation's 3 checks on each of 2 seeds
-        "margins": 3,
+        "checks": 8,  # the ablation's 4 checks on each of 2 seeds
+        "margins": 4,
     }
     proc = run_module("gradrepro.compare", joblib_sweep, "--format", "latex", "--table", "groups")
     assert "\\begin{tabular}" in proc.stdout and "simsiam\\_nostopgrad" in proc.stdout
