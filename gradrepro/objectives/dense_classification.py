@@ -27,6 +27,7 @@ from torch import nn
 
 from gradrepro.data import Batch, ImageData
 from gradrepro.objectives.base import LossOutput
+from gradrepro.objectives.classification import Classification
 
 SSD300_DEFAULT_BOXES = 38**2 * 4 + 19**2 * 6 + 10**2 * 6 + 5**2 * 6 + 3**2 * 4 + 1**2 * 4  # 8,732
 
@@ -87,12 +88,10 @@ class DenseHead(nn.Module):
         return self.head(h.reshape(len(h), -1))
 
 
-class DenseClassification:
-    TRAIN_SCALARS = ("train_acc",)
-    EVAL_SCALARS = ("test_acc",)
+class DenseClassification(Classification):
+    """Classification's scalars, each sample's class at every one of its locations."""
 
-    def __init__(self, cfg: DenseClassificationConfig) -> None:
-        self.cfg = cfg
+    cfg: DenseClassificationConfig
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The model as the trunk under the dense head: its output (``out_dim`` values per sample)
