@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -95,5 +96,16 @@ def linear_probe_accuracy(
 
 
 @torch.no_grad()
+@contextlib.contextmanager
+def in_eval_mode(net: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``net`` in eval mode for a held-out evaluation, its training mode given back after."""
+    was_training = net.training
+    net.eval()
+    try:
+        yield net
+    finally:
+        net.train(was_training)
+
+
 def features(net: torch.nn.Module, x: torch.Tensor, batch: int = 1024) -> torch.Tensor:
     return torch.cat([net(x[i : i + batch]) for i in range(0, len(x), batch)])

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradrepro.data import Batch, ImageData
-from gradrepro.objectives.base import LossOutput, features
+from gradrepro.objectives.base import LossOutput, features, in_eval_mode
 
 
 @dataclass
@@ -40,8 +40,6 @@ class Classification:
     @torch.no_grad()
     def held_out_metrics(self, net: nn.Module, data: ImageData, knn_k: int = 20) -> Dict[str, float]:
         _, _, x_test, y_test = data.eval_sets()
-        was_training = net.training
-        net.eval()
-        logits = features(net, x_test)
-        net.train(was_training)
+        with in_eval_mode(net):
+            logits = features(net, x_test)
         return {"test_acc": (logits.argmax(1) == y_test).float().mean().item()}

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradrepro.data import Batch, ImageData
-from gradrepro.objectives.base import LossOutput
+from gradrepro.objectives.base import LossOutput, in_eval_mode
 from gradrepro.objectives.classification import Classification
 
 SSD300_DEFAULT_BOXES = 38**2 * 4 + 19**2 * 6 + 10**2 * 6 + 5**2 * 6 + 3**2 * 4 + 1**2 * 4  # 8,732
@@ -115,11 +115,9 @@ class DenseClassification(Classification):
     @torch.no_grad()
     def held_out_metrics(self, net: nn.Module, data: ImageData, knn_k: int = 20) -> Dict[str, float]:
         _, _, x_test, y_test = data.eval_sets()
-        was_training = net.training
-        net.eval()
-        right = 0
-        for start in range(0, len(x_test), self.cfg.eval_chunk):
-            logits = net(x_test[start:start + self.cfg.eval_chunk]).float().mean(2)  # BxK
-            right += int((logits.argmax(1) == y_test[start:start + self.cfg.eval_chunk]).sum())
-        net.train(was_training)
+        with in_eval_mode(net):
+            right = 0
+            for start in range(0, len(x_test), self.cfg.eval_chunk):
+                logits = net(x_test[start:start + self.cfg.eval_chunk]).float().mean(2)  # BxK
+                right += int((logits.argmax(1) == y_test[start:start + self.cfg.eval_chunk]).sum())
         return {"test_acc": right / max(len(x_test), 1)}

@@ -16,7 +16,7 @@ from torch import nn
 
 from gradrepro.data import Batch, ImageData
 from gradrepro.data.token_sequences import IGNORE, next_token_targets
-from gradrepro.objectives.base import LossOutput
+from gradrepro.objectives.base import LossOutput, in_eval_mode
 
 
 @dataclass
@@ -60,12 +60,10 @@ class NextToken:
     @torch.no_grad()
     def held_out_metrics(self, net: nn.Module, data: ImageData, knn_k: int = 20) -> Dict[str, float]:
         _, _, x_test, y_test = data.eval_sets()
-        was_training = net.training
-        net.eval()
-        total, right, count = 0.0, 0.0, 0
-        for start in range(0, len(x_test), 1024):
-            chunk = Batch(x_test[start:start + 1024], y_test[start:start + 1024])
-            losses, real, correct = self._token_losses(net, chunk)
-            total, right, count = total + float(losses.sum()), right + float(correct.sum()), count + int(real.sum())
-        net.train(was_training)
+        with in_eval_mode(net):
+            total, right, count = 0.0, 0.0, 0
+            for start in range(0, len(x_test), 1024):
+                chunk = Batch(x_test[start:start + 1024], y_test[start:start + 1024])
+                losses, real, correct = self._token_losses(net, chunk)
+                total, right, count = total + float(losses.sum()), right + float(correct.sum()), count + int(real.sum())
         return {"test_loss": total / max(count, 1), "test_acc": right / max(count, 1)}

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradrepro.data import Batch, ImageData
-from gradrepro.objectives.base import LossOutput, features, knn_accuracy, linear_probe_accuracy
+from gradrepro.objectives.base import LossOutput, features, in_eval_mode, knn_accuracy, linear_probe_accuracy
 
 
 @dataclass
@@ -105,10 +105,8 @@ class SimSiam:
         fitted on the bank and scored on the held-out set (the paper's linear evaluation), and
         the cosine k-NN accuracy of the held-out set against the bank (a monitor)."""
         bank, bank_y, query, query_y = data.eval_sets()
-        was_training = net.training
-        net.eval()
-        bank_h, query_h = features(net.backbone, bank), features(net.backbone, query)
-        net.train(was_training)
+        with in_eval_mode(net):
+            bank_h, query_h = features(net.backbone, bank), features(net.backbone, query)
         return {
             "linear_acc": linear_probe_accuracy(bank_h, bank_y, query_h, query_y),
             "knn_acc": knn_accuracy(bank_h, bank_y, query_h, query_y, k=knn_k),
