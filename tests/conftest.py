@@ -176,7 +176,10 @@ TRACEBACK_MARKERS = ("Traceback (most recent call last)", "Error executing job",
 def run_module(module: str, *args, timeout: float = 300, env: dict | None = None,
                cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """``python -m MODULE ARGS`` in a subprocess, with this checkout first on the path."""
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    # This checkout first, then whatever the caller's path already held (packages carried
+    # beside an image's own, say).
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
     full_env.pop("HYDRA_FULL_ERROR", None)
     if env and "HYDRA_FULL_ERROR" in env:
         full_env["HYDRA_FULL_ERROR"] = env["HYDRA_FULL_ERROR"]
