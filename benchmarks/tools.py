@@ -120,10 +120,12 @@ class ProbeTool(Bare):
 
     name = "gradrepro"
 
-    def __init__(self, net, batch, every: int, act_sample: Optional[int] = None) -> None:
+    def __init__(self, net, batch, every: int, act_sample: Optional[int] = None, before_on: str = "device") -> None:
         super().__init__(net, batch)
         self.every = every
-        cfg = ProbeConfig(every=every, activations=True, task_contribution=True)
+        if before_on != "device":
+            self.name = f"gradrepro_copy_on_{before_on}"
+        cfg = ProbeConfig(every=every, activations=True, task_contribution=True, before_on=before_on)
         if act_sample is not None:
             cfg.act_sample = act_sample
         self.probe = Probe(net, cfg, total_steps=10**12)
@@ -180,6 +182,8 @@ def make_tool(tool: str, every: int, net: nn.Module, batch) -> Bare:
         return Bare(net, batch)
     if tool == "gradrepro":
         return ProbeTool(net, batch, every)
+    if tool == "gradrepro_copy_on_host":  # probe.before_on=host: the pre-step copy in host memory
+        return ProbeTool(net, batch, every, before_on="host")
     if tool == "cockpit_economy":
         return CockpitTool(net, batch, every)
     if tool == "detect_anomaly":

@@ -172,3 +172,8 @@ def test_generated_command_lines_never_give_a_traceback(overrides, tmp_path_fact
 @given(overrides=st.lists(OVERRIDE, min_size=1, max_size=6, unique_by=lambda o: o.split("=")[0]))
 def test_many_generated_command_lines_never_give_a_traceback(overrides, tmp_path_factory):
     test_generated_command_lines_never_give_a_traceback.hypothesis.inner_test(overrides, tmp_path_factory)
+
+
+def test_a_place_for_the_pre_step_copy_that_does_not_exist_is_one_line(tmp_path):
+    code, out, err = run_main([*TINY, "probe.before_on=gpu"], tmp_path / "run")
+    assert_clean_error(code, err, "probe.before_on='gpu' is not valid", "choose one of: device, host")

@@ -5,6 +5,7 @@ time giving the same per-block rows as one whole-layout buffer."""
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import torch
 from torch import nn
 
@@ -130,3 +131,63 @@ def test_pads_of_memory_just_grown_are_zeroed_even_from_nan():
 
     zero_pads_(buf, layout)
     assert torch.isfinite(buf.flat).all() and float(buf.flat.sum()) == 3005.0
+
+
+def _columns_of_a_run(before_on: str, bf16: bool, device: str = "cpu", window_blocks: int = 2) -> list:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(37, 3000), nn.Tanh(), nn.Linear(3000, 3), nn.Linear(3, 10)).to(device)
+    net[2].weight.requires_grad_(False)  # a tensor without a gradient: its update is zero
+    probe = Probe(net, ProbeConfig(every=2, act_sample=8, before_on=before_on), total_steps=6)
+    probe.window_blocks = window_blocks  # windows of 2 blocks: tensors split across windows
+    probe.bf16 = bf16
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 37, generator=g).to(device), torch.randint(0, 10, (16,), generator=g).to(device)
+    out = []
+    for step in range(6):
+        opt.zero_grad(set_to_none=True)
+        with probe.step(step, lr=1e-3) as p:
+            nn.functional.cross_entropy(net(x), y).backward()
+            p.collect()
+            opt.step()
+        assert probe._host_before is (before_on == "host")
+        if p.columns is not None:
+            out.append(p.columns)
+    return out
+
+
+def assert_same_columns(a: list, b: list) -> None:
+    assert len(a) == len(b) == 4  # steps 0, 2, 4 and the last
+    for ca, cb in zip(a, b):
+        assert ca.keys() == cb.keys()
+        for key in ca:
+            np.testing.assert_array_equal(np.asarray(ca[key]), np.asarray(cb[key]), err_msg=key)
+
+
+def test_the_pre_step_copy_on_the_host_gives_the_same_records():
+    """probe.before_on=host takes the copy a window at a time through the work buffer and
+    brings it back a window at a time after the step: every column equal to the copy kept
+    beside the parameters, bf16's rounded-away count included."""
+    for bf16 in (False, True):
+        host = _columns_of_a_run("host", bf16)
+        ratio = np.asarray(host[0]["update_to_param"])
+        assert np.isfinite(ratio).all() and list(ratio > 0) == [True, True, False, True, True, True]
+        if bf16:  # the last layers' small AdamW steps fall under half a bf16 ulp of their weights
+            assert np.nanmax(host[-1]["frac_bf16_update_lost"]) > 0
+        assert_same_columns(host, _columns_of_a_run("device", bf16))
+
+
+def test_the_running_sum_check_keeps_the_copy_beside_the_parameters():
+    probe = Probe(_net(), ProbeConfig(every=1, running_sum_steps=3, before_on="host"), total_steps=4)
+    probe._ensure_layout()
+    assert probe._host_before is False
+
+
+def test_a_run_with_the_copy_on_the_host_records_what_it_records_beside_the_parameters(cli):
+    runs = [cli("experiment=zero_grad_baseline", "scale=tiny", "device=cpu", f"probe.before_on={where}")
+            for where in ("device", "host")]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert runs[1].summary["reproduced"] == runs[0].summary["reproduced"]
+    pd.testing.assert_frame_equal(runs[1].modules, runs[0].modules)
+    pd.testing.assert_frame_equal(runs[1].scalars, runs[0].scalars)

@@ -25,6 +25,7 @@ from gradrepro.errors import UserError
 from gradrepro.measure import MEASUREMENTS, produced_by
 from gradrepro.measure.reference_runs import made_references
 from gradrepro.objectives import ACCUMULATE_NORMS, OBJECTIVES
+from gradrepro.probe.config import BEFORE_ON
 from gradrepro.recipe.bf16 import BF16_UPDATES
 from gradrepro.recipe.clipping import CLIP_ORDERS, CLIP_SCALARS, NORM_SOURCES
 from gradrepro.recipe.init import INIT_MODES, INIT_SCHEMES
@@ -116,6 +117,7 @@ def _check_ranges(cfg: Any) -> None:
                             ("data.n_test", False), ("signature.window", False),
                             ("probe.running_sum_steps", True)):
         _positive(key, OmegaConf.select(cfg, key), allow_zero=allow_zero)
+    _choice("probe.before_on", cfg.probe.before_on, BEFORE_ON)
     if cfg.eval.mode_pass.mode is not None:
         _choice("eval.mode_pass.mode", cfg.eval.mode_pass.mode, ("eval", "train"))
         _positive("eval.mode_pass.batch_size", cfg.eval.mode_pass.batch_size)

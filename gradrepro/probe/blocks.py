@@ -63,8 +63,9 @@ class Layout:
     def windows(self, shapes, dtype=torch.float32, blocks: Optional[int] = None) -> "Windows":
         return Windows(self, shapes, dtype, blocks or WINDOW_BLOCKS)
 
-    def buffer(self, shapes: Sequence[Tuple[int, ...]], dtype=torch.float32, zeros: bool = True) -> "Buffer":
-        return Buffer(self, shapes, dtype, zeros)
+    def buffer(self, shapes: Sequence[Tuple[int, ...]], dtype=torch.float32, zeros: bool = True,
+               device: Optional[torch.device] = None) -> "Buffer":
+        return Buffer(self, shapes, dtype, zeros, device)
 
     def stats(self, rows: Sequence[str], dtype=torch.float32) -> "Stats":
         return Stats(self, rows, dtype)
@@ -78,9 +79,14 @@ class Buffer:
     """One flat zero-padded buffer of a layout: ``grid`` (blocks x BLOCK) and, per segment, a
     view of the given shape (the copy target for that tensor)."""
 
-    def __init__(self, layout: Layout, shapes: Sequence[Tuple[int, ...]], dtype, zeros: bool = True) -> None:
+    def __init__(self, layout: Layout, shapes: Sequence[Tuple[int, ...]], dtype, zeros: bool = True,
+                 device: Optional[torch.device] = None) -> None:
         make = torch.zeros if zeros else torch.empty  # empty: the caller writes every entry and pad
-        self.flat = make(layout.blocks * layout.block, dtype=dtype, device=layout.device)
+        # ``device``: the host, for a layout on a GPU, pinned (its copies run asynchronously,
+        # in order with the device's work on the current stream).
+        device = torch.device(device) if device is not None else layout.device
+        pin = device.type == "cpu" and layout.device.type == "cuda"
+        self.flat = make(layout.blocks * layout.block, dtype=dtype, device=device, pin_memory=pin)
         self.grid = self.flat.view(layout.blocks, layout.block)
         self.views: List[torch.Tensor] = [
             self.flat.narrow(0, int(f) * layout.block, int(n)).view(shape)

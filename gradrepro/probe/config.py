@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# probe.before_on: where the pre-step copy of the parameters lives (ProbeConfig.before_on).
+BEFORE_ON = ("device", "host")
+
 
 @dataclass
 class ProbeConfig:
@@ -33,3 +36,10 @@ class ProbeConfig:
     # Per-example statistics of linear layers (Glorot & Bengio's histograms are per example):
     # pe_act_grad_var, the variance of dloss_i/d(output), and pe_grad_var, of dloss_i/dW.
     per_example: bool = False
+    # Where the copy of the parameters taken before the optimizer's step (for the update)
+    # lives: "device" beside the parameters; "host" in host memory (pinned on CUDA), brought
+    # back a fixed-size window at a time after the step, so the device holds two windows
+    # (2 x 8 MiB) instead of a copy of the model. On the CPU host memory is the device's: no
+    # saving there. Not with running_sum_steps (that check needs the whole update per tensor
+    # on the device): the copy then stays beside the parameters.
+    before_on: str = "device"

@@ -119,6 +119,10 @@ class Probe:
         self._windows: Optional[Windows] = None
         self._dtype = torch.float32
         self._before: Optional[Buffer] = None
+        # probe.before_on: the pre-step copy in host memory, brought back through a window-
+        # sized device buffer (``_staging``) a window at a time after the step.
+        self._host_before = False
+        self._staging: Optional[Windows] = None
         self._carried: Optional[Buffer] = None
         self._carrying = False
         self._work: Optional[torch.Tensor] = None
@@ -275,13 +279,28 @@ class Probe:
         self.layout = Layout(self.local_numel, device)
         self._dtype = dtype
         self._windows = self.layout.windows(shapes, dtype, self.window_blocks)
-        self._before = self.layout.buffer(shapes, dtype, zeros=False)
+        self._host_before = self._before_on_host()
+        self._before = self.layout.buffer(shapes, dtype, zeros=False,
+                                          device="cpu" if self._host_before else None)
+        self._staging = self.layout.windows(shapes, dtype, self.window_blocks) if self._host_before else None
         self._carried = None
         self.stats = self.layout.stats(PARAM_ROWS, dtype)
         # No memory until each is needed (regrow_): the stashes are reduced and handed back first.
-        self._windows.release()
-        self._before.release()
-        self.stats.release()
+        # The host copy is the exception: pinned memory is allocated once and kept (freed, it
+        # would stay in PyTorch's pinned-memory cache anyway), off the device.
+        for buf in self._device_buffers():
+            buf.release()
+
+    def _device_buffers(self) -> list:
+        kept = [self._windows, self._staging, self._carried, self.stats]
+        if not self._host_before:
+            kept.append(self._before)
+        return [buf for buf in kept if buf is not None]
+
+    def _before_on_host(self) -> bool:
+        """probe.before_on: whether the pre-step copy of the parameters lives in host memory."""
+        # The running-sum check's residuals read the whole update per tensor on the device.
+        return getattr(self.cfg, "before_on", "device") == "host" and self.cfg.running_sum_steps == 0
 
     def _collect(self) -> None:
         device = self.params[0].device
@@ -318,10 +337,20 @@ class Probe:
                     self._running[i] += f.double()
             before = self._before
             before.regrow()
-            _copy_(before.views, self._real_params())
-            zero_pads_(before, self.layout)
-            for part, rows, b in zip(windows.parts, windows.rows(stats), windows.rows(before)):
-                squares(b.grid, rows, "p_", work=part.work.grid)
+            if self._host_before:  # a window at a time through the work buffer, then to the host
+                param_of = dict(enumerate(self._real_params()))
+                for part, rows, h in zip(windows.parts, windows.rows(stats), windows.rows(before)):
+                    targets, sources = windows.pieces(part, param_of)
+                    work = part.work
+                    work.flat.zero_()  # the pads
+                    _copy_(targets, sources)
+                    h.flat.copy_(work.flat, non_blocking=True)  # ordered before the next pass
+                    squares(work.grid, rows, "p_", work=work.grid)
+            else:
+                _copy_(before.views, self._real_params())
+                zero_pads_(before, self.layout)
+                for part, rows, b in zip(windows.parts, windows.rows(stats), windows.rows(before)):
+                    squares(b.grid, rows, "p_", work=part.work.grid)
         self._pending = {"have": have, "grads": grads, "carried": self._carrying,
                          "fresh": fresh if self._summing else None}
 
@@ -380,9 +409,12 @@ class Probe:
         windows, before = self._windows, self._before
         with torch.no_grad():
             params = self._real_params()
-            torch._foreach_sub_(before.views, params)  # before - after
-            for part, rows, b in zip(windows.parts, windows.rows(self.stats), windows.rows(before)):
-                squares(b.grid, rows, "u_", work=part.work.grid)
+            if self._host_before:  # the update a window at a time, bf16's count with it
+                self._host_updates(params, pending)
+            else:
+                torch._foreach_sub_(before.views, params)  # before - after
+                for part, rows, b in zip(windows.parts, windows.rows(self.stats), windows.rows(before)):
+                    squares(b.grid, rows, "u_", work=part.work.grid)
             parts = {"params": self.stats.data}
             if self.acts.seen:
                 parts["acts"] = self.acts.stats.data
@@ -393,7 +425,7 @@ class Probe:
                     self._before.views, pending["have"], pending["fresh"], self._running, self.lr)
             parts.update(optional_parts(self.module_of, self._per_example, self._act_grad_hist,
                                         self._contrib))
-            if self.bf16:  # last: it spends the update buffer
+            if self.bf16 and not self._host_before:  # last: it spends the update buffer
                 grad_of = dict(zip(pending["have"], pending["grads"]))
                 param_of = dict(enumerate(params))
                 for part, rows, b in zip(windows.parts, windows.rows(self.stats), windows.rows(before)):
@@ -406,13 +438,31 @@ class Probe:
         self._contrib.clear()
         return columns
 
+    def _host_updates(self, params: List[torch.Tensor], pending: dict) -> None:
+        """The update ``before - after`` of each window in the staging buffer, from the host
+        copy: the same entries, so the same per-block values as the whole-layout path."""
+        windows, staging = self._windows, self._staging
+        staging.regrow()
+        param_of = dict(enumerate(params))
+        grad_of = dict(zip(pending["have"], pending["grads"]))
+        for part, stage, rows, h in zip(windows.parts, staging.parts, windows.rows(self.stats),
+                                        windows.rows(self._before)):
+            b = stage.work
+            b.flat.copy_(h.flat, non_blocking=True)
+            targets, sources = staging.pieces(stage, param_of)
+            if targets:
+                torch._foreach_sub_(targets, sources)
+            squares(b.grid, rows, "u_", work=part.work.grid)
+            if self.bf16:  # it spends both windows
+                bf16_lost_(b, part.work, windows.pieces(part, grad_of), windows.pieces(part, param_of),
+                           rows.row["b_lost"])
+
     def _release(self) -> None:
         """Hand back the memory of every buffer of the step (their views stay valid objects,
         blocks.release_) and drop what the hooks kept: between logged steps the probe holds
         only its layouts' few bytes per block and per tensor."""
-        for buf in (self._windows, self._before, self._carried, self.stats):
-            if buf is not None:
-                buf.release()
+        for buf in self._device_buffers():
+            buf.release()
         self.acts.release()
         self.act_grads.release()
         if self._work is not None:
