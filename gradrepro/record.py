@@ -51,7 +51,7 @@ from gradrepro.diagnose.report import INFO, Finding
 from gradrepro.diagnose.scaled_clip import clipped_while_scaled
 from gradrepro.errors import UserError
 from gradrepro.probe import ranks
-from gradrepro.probe.config import ProbeConfig
+from gradrepro.probe.config import BEFORE_ON, ProbeConfig
 from gradrepro.probe.probe import Probe, ProbeStep, step_norms
 from gradrepro.probe.wrappers import autocast_bf16, has_bf16, is_compiled, run_eagerly, unwrap
 from gradrepro.records.claim import claim, release
@@ -75,8 +75,10 @@ class Recorder:
                  act_sample: int = 8, hooks: bool = True, bf16: Optional[bool] = None,
                  every_rank: bool = False, timeout: float = ranks.HANDSHAKE_SECONDS,
                  eager_logged_steps: bool = False, live: bool = True, on_finding: str = "warn",
-                 silence: Any = (), steps: Optional[int] = None) -> None:
+                 silence: Any = (), steps: Optional[int] = None, before_on: str = "device") -> None:
         _check(model, optimizer, every, steps)
+        if before_on not in BEFORE_ON:
+            raise UserError(f"before_on={before_on!r} is not valid; choose one of: {', '.join(BEFORE_ON)}")
         self.model, self.optimizer, self.scaler, self.every = model, optimizer, scaler, every
         self.run_dir = Path(run_dir)
         group = ranks.process_group()
@@ -91,7 +93,8 @@ class Recorder:
                 ensure_writable_dir(self.run_dir)  # an unwritable folder is one line, before any step
             self.name = name or self.run_dir.resolve().name
             weight_decay = float(optimizer.param_groups[0].get("weight_decay", 0.0)) if optimizer else 0.0
-            cfg = ProbeConfig(every=every, activations=activations, act_sample=act_sample, task_contribution=False)
+            cfg = ProbeConfig(every=every, activations=activations, act_sample=act_sample, task_contribution=False,
+                              before_on=before_on)
             self.net = unwrap(model)  # DDP's and torch.compile's wrappers: the names of the model itself
             # ``steps`` known: the last step is logged, as in the built-in runs.
             self.probe = Probe(self.net, cfg, total_steps=steps, weight_decay=weight_decay)
@@ -331,7 +334,9 @@ def record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir
     compiled model's logged steps run uncompiled, so that its activations are recorded);
     ``live`` (check findings on every logged step, default True), ``on_finding`` ("warn",
     "raise" or "log") and ``silence`` (kinds not reported): see ``gradrepro.diagnose.live``;
-    ``steps`` (the number of steps the loop will take: the last one is then logged in full).
+    ``steps`` (the number of steps the loop will take: the last one is then logged in full);
+    ``before_on`` ("device" or "host": where the copy of the parameters taken before each logged
+    step's optimizer step lives; "host" keeps it off the GPU, ``probe.config.ProbeConfig``).
     A folder that holds a run, or that another recording holds, is refused (UserError)."""
     return Recorder(model, optimizer, run_dir, every, **options)
 

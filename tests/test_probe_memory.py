@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import pytest
 import torch
 from torch import nn
 
@@ -191,3 +192,22 @@ def test_a_run_with_the_copy_on_the_host_records_what_it_records_beside_the_para
     assert runs[1].summary["reproduced"] == runs[0].summary["reproduced"]
     pd.testing.assert_frame_equal(runs[1].modules, runs[0].modules)
     pd.testing.assert_frame_equal(runs[1].scalars, runs[0].scalars)
+
+
+def test_the_recorder_takes_the_place_of_the_copy_and_refuses_one_it_does_not_know(tmp_path):
+    import gradrepro
+    from gradrepro.errors import UserError
+
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(UserError, match="before_on='gpu' is not valid; choose one of: device, host"):
+        gradrepro.record(net, opt, tmp_path / "refused", before_on="gpu")
+    rec = gradrepro.record(net, opt, tmp_path / "run", every=1, before_on="host", live=False)
+    x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    for _ in range(2):
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    rec.close()
+    assert rec.probe._host_before
+    assert np.isfinite(pd.read_parquet(tmp_path / "run" / "modules.parquet")["update_to_param"]).all()
