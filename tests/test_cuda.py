@@ -54,15 +54,7 @@ def test_every_experiment_gives_its_cpu_verdict_on_cuda(cli, name):
     assert cuda_verdict == cpu_verdict, f"cpu: {checks_shown(on_cpu)} | cuda: {checks_shown(on_cuda)}"
 
 
-# Measured on an H200 (torch 2.11, seed 0): real autocast with a static scale of 8 lost 0.050 of
-# the fp32-non-zero activation-gradient values and reproduced; the emulation, 0.325 (>= 0.31)
-# and did not (experiments/precision.md). Strict: when the paths agree, the page needs updating.
-SCALE8_PATHS_DIFFER = pytest.mark.xfail(strict=True, reason="measured: real autocast and the emulation give "
-                                        "different verdicts at seed 0 (act_grad_lost 0.050 vs 0.325)")
-
-
-@pytest.mark.parametrize("name", ["precision_fp32", "precision_fp16_noscale",
-                                  pytest.param("precision_fp16_scale8", marks=SCALE8_PATHS_DIFFER),
+@pytest.mark.parametrize("name", ["precision_fp32", "precision_fp16_noscale", "precision_fp16_scale8",
                                   "precision_fp16_dynamic"])
 def test_real_cuda_autocast_gives_the_emulated_verdict(cli, name):
     """The emulation rounds outputs' and weights' gradients to fp16 in an fp32 computation;

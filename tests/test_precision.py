@@ -196,6 +196,33 @@ def test_each_dense_output_gets_p_minus_y_over_batch_times_locations():
     torch.testing.assert_close(logits.grad, expected)
 
 
+def test_under_fp16_autocast_every_module_of_the_dense_head_outputs_fp16():
+    """As a convolution with its bias does (SSD's heads): a bias added in fp32 would promote the
+    per-location features and the logits to fp32, and the fp16 gradient (where values flush)
+    would then lie inside the module, out of the probe's and the shadow's sight."""
+    torch.manual_seed(0)
+    objective = DenseClassification(DenseClassificationConfig(locations=50, width=4, num_classes=3))
+    trunk = nn.Sequential(nn.Flatten(), nn.Linear(64, 6), nn.ReLU())
+    trunk.out_dim = 6
+    net = objective.wrap(trunk)
+    x = torch.randn(5, 1, 8, 8)
+    dtypes = {}
+    for name, module in net.named_modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            module.register_forward_hook(lambda m, i, o, name=name: dtypes.__setitem__(name, o.dtype))
+    fp32 = net(x)
+    with torch.autocast("cpu", dtype=torch.float16):
+        net(x)
+    assert dtypes and set(dtypes.values()) == {torch.float16}, dtypes
+    # In fp32 the cast is a no-op: the same values as the sum with the bias as it is.
+    h = net.trunk(x)
+    features = net.head[0]
+    expected = (h @ features.weight.T)[:, :, None] + features.bias[None]
+    last = net.head[-1]
+    expected = torch.matmul(last.weight, torch.relu(expected)) + last.bias[None, :, None]
+    assert torch.equal(fp32, expected)
+
+
 def test_the_dynamic_scaler_keeps_pytorchs_defaults():
     cfg = compose_config(["experiment=precision_fp16_dynamic"])
     ours = Precision(cfg.precision, torch.device("cpu")).scaler

@@ -56,7 +56,8 @@ class LocationFeatures(nn.Module):
         nn.init.normal_(self.bias)  # locations differ by about one unit of W h
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # BxD -> BxFxA
-        return (h @ self.weight.T)[:, :, None] + self.bias[None]
+        out = (h @ self.weight.T)[:, :, None]
+        return out + self.bias[None].to(out.dtype)  # under autocast: stays fp16 (see PerLocation)
 
 
 class PerLocation(nn.Module):
@@ -69,7 +70,11 @@ class PerLocation(nn.Module):
         self.weight, self.bias = layer.weight, layer.bias
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(self.weight, a) + self.bias[None, :, None]
+        out = torch.matmul(self.weight, a)
+        # The bias in the product's dtype: under fp16 autocast the sum stays fp16, as a
+        # convolution's output with its bias does (SSD's classifier), instead of promoting the
+        # logits to fp32 and hiding the fp16 gradient inside the module. In fp32 a no-op.
+        return out + self.bias[None, :, None].to(out.dtype)
 
 
 class DenseHead(nn.Module):
