@@ -1,6 +1,7 @@
 """What the probe holds in memory: nothing of its buffers between logged steps (their storage is
 handed back at the end of each logged step), and gradients reduced a fixed-size window at a
-time giving the same per-block rows as one whole-layout buffer."""
+time giving the same per-block rows as one whole-layout buffer, and the pre-step copy of the
+parameters in host memory (probe.before_on=host) giving the same records as beside them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import composed
 from torch import nn
 
 from gradrepro.probe import Probe
@@ -184,8 +186,12 @@ def test_the_running_sum_check_keeps_the_copy_beside_the_parameters():
     assert probe._host_before is False
 
 
-def test_a_run_with_the_copy_on_the_host_records_what_it_records_beside_the_parameters(cli):
-    runs = [cli("experiment=zero_grad_baseline", "scale=tiny", "device=cpu", f"probe.before_on={where}")
+@pytest.mark.parametrize("experiment", ["bf16_master", "bn_speedup"])
+def test_a_run_with_the_copy_on_the_host_records_what_it_records_beside_the_parameters(cli, experiment):
+    # Experiments without the running-sum check (which keeps the copy beside the parameters);
+    # bf16_master's bf16 weights take the rounded-away count through the host path too.
+    assert composed(experiment, "probe.before_on=host").probe.running_sum_steps == 0
+    runs = [cli(f"experiment={experiment}", "scale=tiny", "device=cpu", f"probe.before_on={where}")
             for where in ("device", "host")]
     for r in runs:
         assert r.returncode == 0, r.stderr[-2000:]
