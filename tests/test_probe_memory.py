@@ -217,3 +217,69 @@ def test_the_recorder_takes_the_place_of_the_copy_and_refuses_one_it_does_not_kn
     rec.close()
     assert rec.probe._host_before
     assert np.isfinite(pd.read_parquet(tmp_path / "run" / "modules.parquet")["update_to_param"]).all()
+
+
+def _activation_columns_of_a_run(window_blocks, batches=(16, 16, 12, 16), skip_at=None):
+    """Columns of logged steps of a net whose hooked outputs span several windows of
+    ``window_blocks`` blocks; ``batches``: the batch of each step (a change relays the samples
+    out); ``skip_at``: a step in which one module is not called (a later module takes its place
+    in the arrival order)."""
+    torch.manual_seed(0)
+    net = nn.ModuleDict({"a": nn.Linear(37, 3000), "b": nn.Linear(3000, 700), "c": nn.Linear(700, 10),
+                         "skip": nn.Linear(10, 10)})
+    probe = Probe(net, ProbeConfig(every=1, act_sample=8), total_steps=len(batches))
+    probe.window_blocks = window_blocks
+    opt = torch.optim.SGD(net.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for step, batch in enumerate(batches):
+        x, y = torch.randn(batch, 37, generator=g), torch.randint(0, 10, (batch,), generator=g)
+        opt.zero_grad(set_to_none=True)
+        with probe.step(step, lr=1e-2) as p:
+            h = net["c"](torch.tanh(net["b"](torch.tanh(net["a"](x)))))
+            if step != skip_at:
+                h = net["skip"](h)
+            nn.functional.cross_entropy(h, y).backward()
+            p.collect()
+            opt.step()
+        out.append({k: v for k, v in p.columns.items() if k.startswith("act")})
+    return out, probe
+
+
+def test_the_hooks_samples_reduced_a_window_at_a_time_give_the_rows_of_one_window():
+    """Windows of 2 blocks (4,096 entries): every module's 8-example output and its gradient
+    spans several, and a batch change and a skipped module relay the samples out mid-run.
+    Every activation column equals the run whose window holds all samples at once."""
+    small, probe = _activation_columns_of_a_run(2, skip_at=2)
+    whole, _ = _activation_columns_of_a_run(1024, skip_at=2)
+    assert len(small) == 4
+    for a, b in zip(small, whole):
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    assert np.isfinite(small[0]["act_std"]).all() and np.isnan(small[2]["act_std"][-2:]).all()
+    # What the stashes keep: a window of 2 blocks each, not the 8 x 3,000 + 8 x 700 + ... samples.
+    assert probe.acts._buffer.numel() == probe.act_grads._buffer.numel() == 2 * 2048
+
+
+def test_the_samples_windows_hold_what_the_hooks_saw():
+    """The stash's moments of each module against float64 moments of the samples themselves."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(37, 3000), nn.Tanh(), nn.Linear(3000, 5))
+    probe = Probe(net, ProbeConfig(every=1, act_sample=8), total_steps=1)
+    probe.window_blocks = 3
+    seen = {}
+
+    def keep(name):
+        def hook(module, inputs, output) -> None:
+            seen[name] = output[:8].detach().double()
+        return hook
+
+    net[0].register_forward_hook(keep("0"))
+    net[2].register_forward_hook(keep("2"))
+    x, y = torch.randn(16, 37), torch.randint(0, 5, (16,))
+    with probe.step(0) as p:
+        nn.functional.cross_entropy(net(x), y).backward()
+        p.collect()
+    for module, rows in (("0", p.columns["module"] == "0"), ("2", p.columns["module"] == "2")):
+        np.testing.assert_allclose(p.columns["act_mean"][rows], float(seen[module].mean()), rtol=1e-5)
+        np.testing.assert_allclose(p.columns["act_std"][rows], float(seen[module].std()), rtol=1e-5)  # unbiased, as the probe

@@ -45,9 +45,10 @@ LEVEL_ROWS = ("l1", "l2")  # per block: sum of levels, norm of levels
 class Layout:
     """Where each segment's entries sit in a block buffer; host arrays for the float64 sums."""
 
-    def __init__(self, numels: Sequence[int], device: torch.device, block: Optional[int] = None) -> None:
+    def __init__(self, numels: Sequence[int], device: Optional[torch.device], block: Optional[int] = None) -> None:
+        """``device`` None: the host arrays alone (a stash's layout, whose windows have their own)."""
         block = block or BLOCK
-        self.block, self.device = block, torch.device(device)
+        self.block, self.device = block, torch.device(device) if device is not None else None
         self.numel = np.asarray(numels, dtype=np.int64).reshape(-1)
         count = -(-self.numel // block)  # blocks per segment (0 for an empty tensor)
         self.first = np.concatenate([[0], np.cumsum(count)[:-1]]).astype(np.int64)
@@ -57,8 +58,9 @@ class Layout:
         last = (self.first + count - 1)[count > 0]
         real[last] = (self.numel - (count - 1) * block)[count > 0]
         self.real = real  # entries of each block that belong to its segment
-        self.real_t = torch.tensor(real, dtype=torch.float32, device=self.device)
-        self.partial, self.tail, self.arange = _pads(real, last[real[last] < block], block, self.device)
+        if device is not None:
+            self.real_t = torch.tensor(real, dtype=torch.float32, device=self.device)
+            self.partial, self.tail, self.arange = _pads(real, last[real[last] < block], block, self.device)
 
     def windows(self, shapes, dtype=torch.float32, blocks: Optional[int] = None) -> "Windows":
         return Windows(self, shapes, dtype, blocks or WINDOW_BLOCKS)

@@ -13,10 +13,11 @@ One protocol, a context manager around the part of a training step the probe wat
 
 On steps that are not logged nothing runs but the schedule's test. On a logged step the work
 does not grow operation by operation with the number of tensors: the hooks copy their samples
-into one buffer (probe/stash.py); gradients, parameters and updates are copied into another
-with multi-tensor copies; each buffer is reduced a block at a time in a fixed number of
-operations (probe/blocks.py), and the per-block results reach the host in one transfer, where
-float64 sums by tensor finish them (probe/columns.py). Gradient states (probe/states.py):
+into a window-sized buffer, reduced a window at a time as they arrive (probe/stash.py);
+gradients, parameters and updates pass through another with multi-tensor copies; each window
+is reduced a block at a time in a fixed number of operations (probe/blocks.py), and the
+per-block results reach the host in one transfer, where float64 sums by tensor finish them
+(probe/columns.py). Gradient states (probe/states.py):
 ``none``, ``zero``, ``tiny``, ``finite``, ``nonfinite``.
 """
 
@@ -126,8 +127,10 @@ class Probe:
         self._carried: Optional[Buffer] = None
         self._carrying = False
         self._work: Optional[torch.Tensor] = None
-        self.acts = Stash(MOMENT_ROWS)  # module outputs, first call of the step
-        self.act_grads = Stash(MOMENT_ROWS + LEVEL_ROWS)  # gradients at module outputs
+        # The hooks' samples, reduced a window at a time as they arrive (probe/stash.py).
+        window = lambda: self.window_blocks or WINDOW_BLOCKS  # noqa: E731
+        self.acts = Stash(MOMENT_ROWS, self._reduce_act_window, window)  # module outputs, first call of the step
+        self.act_grads = Stash(MOMENT_ROWS + LEVEL_ROWS, self._reduce_act_grad_window, window)  # at module outputs
         self._handles: list = []
         self._hook_fns: Dict[str, object] = {}
         self._act_grad_hist: Dict[str, torch.Tensor] = {}
@@ -358,49 +361,40 @@ class Probe:
         return [_real(p) for p in self.params] if self._complex or self._sharded else self.params
 
     def _reduce_acts(self) -> None:
-        """The outputs' samples, reduced (moments, a fixed number of operations) and handed
-        back as soon as backward begins, so that they and the output gradients' samples are
-        not held together."""
-        acts = self.acts
-        if acts.settle():
-            moments_(acts.buffer, acts.layout, acts.stats, "")
-        acts.release_buffer()
+        """The outputs' last window reduced and the window handed back as soon as backward
+        begins, so that it and the output gradients' window are not held together."""
+        self.acts.settle()
+        self.acts.release_buffer()
 
     def _reduce_stashes(self) -> None:
-        """The hooks' samples, each stash in a fixed number of operations: moments of the
-        outputs (if backward did not already begin: ``_reduce_acts``); levels and moments of
-        their gradients (the levels need a work copy of the gradients' absolute values)."""
+        """The hooks' samples: the outputs' (if backward did not already begin:
+        ``_reduce_acts``), then their gradients' last window; their windows handed back
+        before the gradients' passes."""
         if not self.acts.closed:
             self._reduce_acts()
-        ag = self.act_grads
-        if ag.settle(like=self.acts):  # the outputs' layout where it fits (the same blocks)
-            # The levels of |x| a window at a time in a fixed-size work buffer (one window, and
-            # no slicing, where the samples fit in one), then the moments in place.
-            grid, blocks = ag.buffer.grid, ag.layout.blocks
-            size = self.window_blocks or WINDOW_BLOCKS
-            work = self._work_for(min(blocks, size), grid.shape[1], grid.device)
-            if blocks <= size:
-                torch.abs(grid, out=work)
-                level_sums_(work, ag.stats, "", nan=True)
-            else:
-                for a in range(0, blocks, size):
-                    b = min(a + size, blocks)
-                    w = work[: b - a]
-                    torch.abs(grid[a:b], out=w)
-                    level_sums_(w, _RowsOf(ag.stats, a, b), "", nan=True)
-            moments_(ag.buffer, ag.layout, ag.stats, "")
-        # The samples are spent: their memory goes back before the gradients' passes.
-        ag.release_buffer()
+        self.act_grads.settle()
+        self.act_grads.release_buffer()
         if self._work is not None:
             release_(self._work)
+
+    @staticmethod
+    def _reduce_act_window(work, window, rows) -> None:
+        moments_(work, window, rows, "")
+
+    def _reduce_act_grad_window(self, work, window, rows) -> None:
+        """Levels of |x| through a work buffer of the window's size, then the moments in place."""
+        levels = self._work_for(work.grid.shape[0], work.grid.shape[1], work.grid.device)
+        torch.abs(work.grid, out=levels)
+        level_sums_(levels, rows, "", nan=True)
+        moments_(work, window, rows, "")
 
     def _work_for(self, rows: int, block: int, device: torch.device) -> torch.Tensor:
         """A ``rows x block`` float32 buffer for the output gradients' level pass (written
         whole by ``torch.abs(..., out=)`` before each use; its memory handed back after)."""
-        if self._work is None or self._work.shape != (rows, block) or self._work.device != device:
+        if self._work is None or self._work.shape[0] < rows or self._work.device != device:
             self._work = torch.empty(rows, block, dtype=torch.float32, device=device)
         regrow_(self._work)
-        return self._work
+        return self._work if self._work.shape[0] == rows else self._work[:rows]
 
     # -- after the optimizer step: update norms and the one host transfer -----------------
     def _after_step(self, step: int) -> Dict[str, np.ndarray]:
@@ -417,9 +411,9 @@ class Probe:
                     squares(b.grid, rows, "u_", work=part.work.grid)
             parts = {"params": self.stats.data}
             if self.acts.seen:
-                parts["acts"] = self.acts.stats.data
+                parts["acts"] = self.acts.result()
             if self.act_grads.seen:
-                parts["act_grads"] = self.act_grads.stats.data
+                parts["act_grads"] = self.act_grads.result()
             if self._summing and pending.get("fresh") is not None and self.lr > 0:
                 parts["residuals"] = step_residuals(
                     self._before.views, pending["have"], pending["fresh"], self._running, self.lr)
@@ -470,13 +464,6 @@ class Probe:
         for kept in (self._act_grad_hist, self._inputs, self._per_example):
             kept.clear()
         self._pending = None  # it refers to the step's gradients
-
-
-class _RowsOf:
-    """Rows ``[a, b)`` of a stash's level rows, used as its ``Stats`` by ``level_sums_``."""
-
-    def __init__(self, stats: Stats, a: int, b: int) -> None:
-        self.row = {name: stats.row[name][a:b] for name in ("l1", "l2")}
 
 
 def _compiling() -> bool:

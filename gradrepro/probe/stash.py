@@ -1,112 +1,269 @@
-"""The hooks' samples of one logged step, copied into one block buffer and reduced together
-after backward: a hook costs one copy (and the slice that takes ``act_sample`` examples),
-whatever it will be reduced to.
+"""The hooks' samples of one logged step, reduced a fixed-size window at a time as the hooks
+deliver them: a hook costs one copy (and the slice that takes ``act_sample`` examples) into
+the window buffer, and a window is reduced as soon as the samples have moved past it, so the
+step holds one window of samples (``blocks.WINDOW_BLOCKS`` blocks, 8 MiB in float32), not a
+copy of every hooked output, whatever the model.
 
-A module's slot is a view of the buffer shaped like its sample. The first logged step (or a
-step whose shapes changed: another batch size, a module seen for the first time) lays the
-buffer out anew from what the hooks saw; every later step copies straight into the slots.
-The buffer's memory is held from the start of a logged step until its samples are reduced
-(``release_buffer``), not in between: the slots stay valid views (blocks.release_).
+The samples are laid out in the order the hooks deliver them, each from a block boundary, as
+one layout of blocks (``blocks.Layout``): the per-block rows are those a whole-layout buffer
+would give (the same entries in the same blocks), and the host sums them by segment as before.
+Where a step delivers the same modules with the same shapes in the same order as the last one
+(the usual case), every target view and every window's pads are the last step's; from the
+first sample that differs (another batch size, a module seen for the first time, another
+order) the rest of the step is laid out anew.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from types import SimpleNamespace
+from typing import Callable, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
-from gradrepro.probe.blocks import Buffer, Layout, Stats, regrow_, release_, zero_pads_
+from gradrepro.probe.blocks import BLOCK, Layout, Stats, _Rows, _StatRows, regrow_, release_, zero_pads_
+
+Reduce = Callable[[_Rows, object, _StatRows], None]
+
+
+class _Segment:
+    """One sample of the step: where its entries go (``pieces``: per window it reaches, the
+    target view, its first entry in the sample and its length, and whether it is the whole)."""
+
+    def __init__(self, name: str, shape: Tuple[int, ...], first: int, pieces: list) -> None:
+        self.name, self.shape, self.first, self.pieces = name, shape, first, pieces
+        self.numel = math.prod(shape)
+        self.blocks = -(-self.numel // BLOCK)
+
+
+class _Window:
+    """What ``blocks.moments_`` reads of a window's blocks: entries per block and the pads."""
+
+    def __init__(self, real: np.ndarray, arange: torch.Tensor) -> None:
+        self.real = real
+        self.real_t = torch.tensor(real, dtype=torch.float32, device=arange.device)
+        partial = np.flatnonzero(real < BLOCK)
+        self.partial, self.tail = None, None
+        if len(partial):
+            self.tail = torch.tensor(real[partial], dtype=torch.float32, device=arange.device).view(-1, 1)
+            self.partial = torch.tensor(partial, dtype=torch.int64, device=arange.device)
+        self.arange = arange  # the stash's one row 0..BLOCK-1
 
 
 class Stash:
-    """Per module name, one float32 sample a hook saw this step, and a value beside it."""
+    """Per module name, one float32 sample a hook saw this step, and a value beside it;
+    reduced by ``reduce(work, window, rows)`` a window at a time."""
 
-    def __init__(self, rows) -> None:
+    def __init__(self, rows, reduce: Reduce, window_blocks: Callable[[], int]) -> None:
         self.rows = rows  # the per-block statistics the probe reduces this stash to
-        self.layout: Optional[Layout] = None
-        self.buffer: Optional[Buffer] = None
-        self.stats: Optional[Stats] = None
+        self._reduce = reduce
+        self._window_blocks = window_blocks
+        self.layout: Optional[Layout] = None  # the settled step's, for the host's sums
         self.index: Dict[str, int] = {}  # module name -> segment of the layout
-        self._slots: Dict[str, torch.Tensor] = {}
         self.seen: Dict[str, float] = {}  # modules recorded this step, with their value
         self.closed = True  # reduced (or no logged step begun): no sample is taken
-        self._loose: Dict[str, torch.Tensor] = {}
+        self.stats: Optional[Stats] = None  # rows x capacity blocks; a step uses the first ``blocks``
+        self.blocks = 0
+        self._segments: List[_Segment] = []  # the last step's, reused while this one matches
+        self._cursor = 0
+        self._buffer: Optional[torch.Tensor] = None  # one window: (window blocks x BLOCK) float32
+        self._window_size = 0
+        self._open = -1  # the window the samples are filling
+        self._windows: Dict[int, _Window] = {}
+        self._real: List[np.ndarray] = []  # per segment, its blocks' entries (this step)
+        self._work: Dict[int, _Rows] = {}  # the first n rows of the buffer, per n
+        self._zeroed = 0  # rows of the open window zeroed when it was entered
+        self._rows_of: Dict[Tuple[int, int], _StatRows] = {}
+        self._last_blocks = 0  # the last step's: this step's rows are made that size
+        self._stale = False  # the buffer grew this step: earlier segments' targets are in the old one
 
+    # -- the step ---------------------------------------------------------------------------
     def begin(self) -> None:
-        """A logged step starts: the buffer's memory back, zeroed (its pads must be)."""
         self.seen.clear()
-        self._loose.clear()
+        self.index = {}
         self.closed = False
-        if self.buffer is not None:
-            self.buffer.regrow()
-            self.buffer.flat.zero_()
-
-    def release_buffer(self) -> None:
-        """The samples are reduced: hand back the buffer's memory (the statistics' rows go
-        with ``release``, after the step's transfer)."""
-        self.closed = True
-        if self.buffer is not None:
-            self.buffer.release()
-
-    def release(self) -> None:
-        self.release_buffer()
+        self._cursor, self.blocks, self._open = 0, 0, -1
+        self._real = []
         if self.stats is not None:
-            release_(self.stats.data)
+            if self.stats.data.shape[1] != self._last_blocks:  # as many rows as the last step's blocks
+                self._new_stats(self._last_blocks, self.stats.data.device)
+            regrow_(self.stats.data)  # every row of every block a step reaches is written by its reduction
 
     def __contains__(self, name: str) -> bool:
         return name in self.seen
 
     def put(self, name: str, sample: torch.Tensor, value: float = math.nan) -> None:
-        """Copy ``sample`` into the module's slot (one operation), or keep a float32 copy
-        aside until ``settle`` lays out a buffer that has a slot for it. Nothing once the
-        stash is reduced (a forward pass that backward reruns: activation checkpointing)."""
+        """Copy ``sample`` into the window buffer (one operation; a piece per window where it
+        spans several), reducing the windows it moves past. Nothing once the stash is reduced
+        (a forward pass that backward reruns: activation checkpointing)."""
         if self.closed:
             return
-        slot = self._slots.get(name)
-        if slot is not None and slot.shape == sample.shape and slot.device == sample.device:
-            slot.copy_(sample)
-        else:
-            self._loose[name] = sample.to(torch.float32, copy=True)
+        segment = self._segment_for(name, tuple(sample.shape), sample.device)
+        self.index[name] = self._cursor
         self.seen[name] = value
+        self._cursor += 1
+        self.blocks = segment.first + segment.blocks
+        self._real.append(_block_entries(segment.numel))
+        for window, target, begin, length, whole in segment.pieces:
+            if window != self._open:
+                self._flush()
+                self._enter(window)
+            target.copy_(sample if whole else sample.reshape(-1).narrow(0, begin, length))
 
-    def settle(self, like: Optional["Stash"] = None) -> bool:
-        """After backward: every sample of this step in the buffer. False when there is none.
-        ``like``: a stash whose layout this one takes where both hold the same modules with
-        the same shapes (the gradients at module outputs have the outputs' shapes), so that
-        the two buffers are interchangeable (``Probe`` lends one to the other as work space)."""
+    def settle(self) -> bool:
+        """After the last sample: the open window reduced and the step's layout for the host.
+        False when there is none."""
+        self.closed = True
         if not self.seen:
             return False
-        if self._loose or (like is not None and self.layout is not like.layout and self._fits(like)):
-            self._lay_out(like if like is not None and self._fits(like) else None)
-        regrow_(self.stats.data)  # every row of every block is written by the reduction
+        self._flush()
+        self._last_blocks = self.blocks
+        del self._segments[self._cursor:]
+        numels = [s.numel for s in self._segments]
+        if self.layout is None or list(self.layout.numel) != numels:
+            self.layout = Layout(numels, None)  # host arrays only (segment, real, sums)
+        self._fit_buffer()
         return True
 
-    def _samples(self) -> Dict[str, torch.Tensor]:
-        return {name: self._loose.get(name, self._slots.get(name)) for name in self.seen}
+    def result(self) -> torch.Tensor:
+        """The step's per-block rows (the device side of the one transfer)."""
+        data = self.stats.data
+        return data if data.shape[1] == self.blocks else data[:, : self.blocks]
 
-    def _fits(self, like: "Stash") -> bool:
-        if like.layout is None or set(self.seen) != set(like.index):
-            return False
-        return all(tuple(s.shape) == tuple(like._slots[name].shape) for name, s in self._samples().items())
+    def release_buffer(self) -> None:
+        """The samples are reduced: hand back the window's memory."""
+        self.closed = True
+        if self._buffer is not None:
+            release_(self._buffer)
 
-    def _lay_out(self, like: Optional["Stash"]) -> None:
-        samples = self._samples()
-        if like is not None:  # the same layout object, in the other stash's order
-            samples = {name: samples[name] for name in like.index}
-            self.layout = like.layout
-        else:
-            shapes = [tuple(s.shape) for s in samples.values()]
-            device = next(iter(samples.values())).device
-            self.layout = Layout([math.prod(shape) for shape in shapes], device)
-        # Not zeroed first: each sample is copied in and its loose copy dropped at once, so the
-        # pages of the new buffer fill as the loose copies' go (no second copy of every sample
-        # at once), and the pads are zeroed after.
-        self.buffer = self.layout.buffer([tuple(s.shape) for s in samples.values()], zeros=False)
-        self.stats = self.layout.stats(self.rows)
-        self.index = {name: i for i, name in enumerate(samples)}
-        self._slots = dict(zip(samples, self.buffer.views))
-        for name in list(samples):
-            self._slots[name].copy_(samples.pop(name))
-            self._loose.pop(name, None)
-        zero_pads_(self.buffer, self.layout)
+    def release(self) -> None:
+        self.release_buffer()
+        if self.stats is not None:
+            self.stats.release()
+
+    # -- laying the samples out -------------------------------------------------------------
+    def _segment_for(self, name: str, shape: Tuple[int, ...], device: torch.device) -> _Segment:
+        i = self._cursor
+        if i == 0:  # the window on the first sample's device (a later one on another is copied across)
+            size = self._window_blocks()
+            if self._buffer is None or self._buffer.device != device or self._window_size != size:
+                self._new_buffer(size, min(size, self._last_blocks or 1), device)
+                self.stats = None
+            regrow_(self._buffer)
+        device = self._buffer.device
+        if i < len(self._segments) and self._segments[i].name == name and self._segments[i].shape == shape:
+            return self._segments[i]
+        del self._segments[i:]  # the last step's layout holds no longer from here
+        first = self.blocks
+        rows = self._buffer.numel() // BLOCK
+        need = first + -(-math.prod(shape) // BLOCK)
+        if rows < self._window_size and need > rows:  # more than the buffer holds: double it
+            self._grow_buffer(min(self._window_size, max(need, 2 * rows)))
+        segment = _Segment(name, shape, first, self._pieces(first, shape))
+        self._segments.append(segment)
+        self._ensure_capacity(first + segment.blocks, device)
+        return segment
+
+    def _new_buffer(self, size: int, rows: int, device: torch.device) -> None:
+        self._buffer = torch.empty(rows * BLOCK, dtype=torch.float32, device=device)
+        self._arange = torch.arange(BLOCK, dtype=torch.float32, device=device).view(1, BLOCK)
+        self._window_size, self._segments, self._windows, self._work = size, [], {}, {}
+
+    def _grow_buffer(self, rows: int) -> None:
+        """More samples than the buffer holds (a first step, or more than the last step's): a
+        buffer of ``rows`` (at most a window) with the open window's rows so far; the step's
+        earlier segments keep targets in the old one until ``_fit_buffer``."""
+        old, used = self._buffer, self.blocks - max(self._open, 0) * self._window_size
+        self._buffer = torch.empty(rows * BLOCK, dtype=torch.float32, device=old.device)
+        if self._open >= 0 and used > 0:
+            self._buffer[: used * BLOCK].copy_(old[: used * BLOCK])
+        self._work, self._stale = {}, True
+
+    def _fit_buffer(self) -> None:
+        """After a step: a buffer of as many rows as its samples (at most a window), and every
+        segment's targets in it, so that the next step that delivers the same samples takes
+        what they need and reuses every view."""
+        rows = min(self._window_size, self._last_blocks)
+        if rows and (self._stale or self._buffer.numel() != rows * BLOCK):
+            self._buffer = torch.empty(rows * BLOCK, dtype=torch.float32, device=self._buffer.device)
+            self._work = {}
+            for segment in self._segments:
+                segment.pieces = self._pieces(segment.first, segment.shape)
+        self._stale = False
+
+    def _pieces(self, first: int, shape: Tuple[int, ...]) -> list:
+        numel, size = math.prod(shape), self._window_size
+        count = -(-numel // BLOCK)
+        flat = self._buffer
+        pieces = []
+        for window in range(first // size, (first + count - 1) // size + 1 if count else first // size):
+            lo, hi = max(first, window * size), min(first + count, (window + 1) * size)
+            begin = (lo - first) * BLOCK
+            length = min(numel - begin, (hi - lo) * BLOCK)
+            whole = begin == 0 and length == numel
+            target = flat.narrow(0, (lo - window * size) * BLOCK, length)
+            pieces.append((window, target.view(shape) if whole else target, begin, length, whole))
+        return pieces
+
+    def _ensure_capacity(self, blocks: int, device: torch.device) -> None:
+        old = self.stats
+        if old is not None and old.data.shape[1] >= blocks:
+            return
+        self._new_stats(max(blocks, 2 * (old.data.shape[1] if old is not None else 0)), device)
+        if old is not None and self.blocks:
+            self.stats.data[:, : self.blocks].copy_(old.data[:, : self.blocks])  # the windows already reduced
+
+    def _new_stats(self, blocks: int, device: torch.device) -> None:
+        self.stats = Stats(SimpleNamespace(blocks=blocks, device=device), self.rows, torch.float32)
+        self._rows_of = {}
+
+    # -- reducing a window ------------------------------------------------------------------
+    def _enter(self, w: int) -> None:
+        """The samples move on to window ``w``: where the last step's blocks there are known,
+        its rows are zeroed now (one pass over memory the samples then fill), so that the pads
+        of its partial blocks read zero."""
+        self._open = w
+        known = self._windows.get(w)
+        self._zeroed = len(known.real) if known is not None else 0
+        if self._zeroed:
+            self._work_rows(self._zeroed).flat.zero_()
+
+    def _work_rows(self, rows: int) -> _Rows:
+        work = self._work.get(rows)
+        if work is None:
+            work = self._work[rows] = _Rows(self._buffer.view(-1, BLOCK)[:rows])
+        return work
+
+    def _flush(self) -> None:
+        """Reduce the open window: its blocks are those laid out so far past its start."""
+        w = self._open
+        if w < 0:
+            return
+        self._open = -1
+        size = self._window_size
+        start, stop = w * size, min((w + 1) * size, self.blocks)
+        real = np.concatenate(self._real)[start:stop] if len(self._real) > 1 else self._real[0][start:stop]
+        window = self._windows.get(w)
+        work = self._work_rows(stop - start)
+        if window is None or not np.array_equal(window.real, real):
+            window = self._windows[w] = _Window(real, self._arange)
+            zero_pads_(work, window)  # laid out anew: the pads of its partial blocks (never written)
+        elif self._zeroed != stop - start:
+            zero_pads_(work, window)
+        self._reduce(work, window, self._rows(start, stop))
+
+    def _rows(self, start: int, stop: int) -> _StatRows:
+        key = (start, stop)
+        rows = self._rows_of.get(key)
+        if rows is None:
+            rows = self._rows_of[key] = _StatRows(self.stats, start, stop)
+        return rows
+
+
+def _block_entries(numel: int) -> np.ndarray:
+    count = -(-numel // BLOCK)
+    real = np.full(count, float(BLOCK))
+    if count:
+        real[-1] = numel - (count - 1) * BLOCK
+    return real
