@@ -1,8 +1,9 @@
 """The hooks' samples of one logged step, reduced a fixed-size window at a time as the hooks
 deliver them: a hook costs one copy (and the slice that takes ``act_sample`` examples) into
 the window buffer, and a window is reduced as soon as the samples have moved past it, so the
-step holds one window of samples (``blocks.WINDOW_BLOCKS`` blocks, 8 MiB in float32), not a
-copy of every hooked output, whatever the model.
+step holds at most one window of samples (``blocks.WINDOW_BLOCKS`` blocks, 8 MiB in float32;
+as many blocks as the last step's samples where they are fewer), not a copy of every hooked
+output, whatever the model.
 
 The samples are laid out in the order the hooks deliver them, each from a block boundary, as
 one layout of blocks (``blocks.Layout``): the per-block rows are those a whole-layout buffer
@@ -67,7 +68,7 @@ class Stash:
         self.blocks = 0
         self._segments: List[_Segment] = []  # the last step's, reused while this one matches
         self._cursor = 0
-        self._buffer: Optional[torch.Tensor] = None  # one window: (window blocks x BLOCK) float32
+        self._buffer: Optional[torch.Tensor] = None  # at most one window of blocks x BLOCK, float32
         self._window_size = 0
         self._open = -1  # the window the samples are filling
         self._windows: Dict[int, _Window] = {}
