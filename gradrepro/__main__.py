@@ -8,11 +8,14 @@ shell's exit code (128 + the signal's number), not a traceback: nothing has been
 import signal
 import sys
 
-from gradrepro.errors import exit_code_of_signal, interrupt_on_stop_signals, signal_of
+from gradrepro.errors import RAISED_SIGNALS, exit_code_of_signal, interrupt_on_stop_signals, signal_of
 
-interrupt_on_stop_signals()  # SIGTERM, SIGHUP: handled like Ctrl-C while the imports run
+interrupt_on_stop_signals(sigint=True)  # SIGINT, SIGTERM, SIGHUP: KeyboardInterrupt while the imports run
 try:
     from gradrepro.cli import main as _cli_main
+
+    if RAISED_SIGNALS:  # raised, but an import caught it: the start-up was interrupted all the same
+        _cli_main, _signum = None, RAISED_SIGNALS[0]
 except KeyboardInterrupt as _stopped:
     _cli_main, _signum = None, signal_of(_stopped)
 

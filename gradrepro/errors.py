@@ -31,8 +31,15 @@ def stop_signals() -> list:
     return found
 
 
+# The signals ``raise_interrupted`` turned into KeyboardInterrupt, in order: an import that
+# catches every exception (a library's optional-dependency probe, say) can swallow one, and the
+# start-up then asks here whether a signal came although no KeyboardInterrupt reached it.
+RAISED_SIGNALS: list = []
+
+
 def raise_interrupted(signum: int, frame: Any) -> None:
     """A signal handler: SIGTERM is handled like Ctrl-C (KeyboardInterrupt), with its name kept."""
+    RAISED_SIGNALS.append(int(signum))
     raise Interrupted(signum)
 
 
@@ -75,8 +82,9 @@ def exit_on_user_error(prog: str, main: Callable[..., int], *args: Any) -> int:
         return EXIT_USER_ERROR
 
 
-def interrupt_on_stop_signals() -> dict:
-    """Until a run installs its own handlers: SIGTERM and SIGHUP end the process like Ctrl-C
-    (KeyboardInterrupt, with the signal's name), so start-up is interrupted cleanly too.
-    Returns the handlers it replaced."""
-    return {sig: signal.signal(sig, raise_interrupted) for sig in stop_signals()[1:]}
+def interrupt_on_stop_signals(sigint: bool = False) -> dict:
+    """Until a run installs its own handlers: SIGTERM and SIGHUP (and SIGINT where asked, which
+    Python's own handler already turns into KeyboardInterrupt, but without noting it in
+    ``RAISED_SIGNALS``) end the process like Ctrl-C (KeyboardInterrupt, with the signal's name),
+    so start-up is interrupted cleanly too. Returns the handlers it replaced."""
+    return {sig: signal.signal(sig, raise_interrupted) for sig in stop_signals()[0 if sigint else 1:]}

@@ -229,3 +229,31 @@ def test_a_failing_job_does_not_abort_the_sweep(tmp_path, monkeypatch, capsys):
     assert statuses == ["completed", "failed"]
     assert (sweep / "comparison.md").exists(), err  # the sweep's table is still written
     assert "1 of 2 jobs failed" in err.splitlines()[-1]
+
+
+def test_a_start_up_signal_that_an_import_swallowed_still_ends_the_run():
+    """Python raises KeyboardInterrupt where the signal lands; an import that catches every
+    exception can swallow it, and the run then went on as if no signal had come. The handler
+    notes each signal it raises, and the start-up reads that note once the imports are done."""
+    from gradrepro.errors import RAISED_SIGNALS, interrupt_on_stop_signals
+
+    previous = interrupt_on_stop_signals(sigint=True)
+    try:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)  # the handler runs in the main thread at the next bytecode
+        except BaseException:  # what a swallowing import does
+            pass
+        assert RAISED_SIGNALS[-1] == signal.SIGINT
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        RAISED_SIGNALS.clear()
+    # The start-up's side: a signal noted but not raised to it ends the run with its one line.
+    code = ("import gradrepro.errors as e, runpy; e.RAISED_SIGNALS.append(2); "
+            "runpy.run_module('gradrepro', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code, *TINY], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == ["gradrepro: interrupted (SIGINT) while starting; nothing was run or written"], proc.stderr

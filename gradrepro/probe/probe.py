@@ -34,7 +34,6 @@ from gradrepro.probe.blocks import (
     LEVEL_ROWS,
     MOMENT_ROWS,
     SQUARE_ROWS,
-    WINDOW_BLOCKS,
     Buffer,
     Layout,
     Stats,
@@ -51,7 +50,7 @@ from gradrepro.probe.columns import activation_columns, gradient_columns
 from gradrepro.probe.extras import contribution_norms, optional_parts, step_residuals
 from gradrepro.probe.kernels import log2_histogram, per_example_stats, to_host
 from gradrepro.probe.shards import local, sharded_setup
-from gradrepro.probe.stash import Stash
+from gradrepro.probe.stash import SAMPLE_WINDOW_BLOCKS, Stash
 from gradrepro.probe.states import module_kind
 from gradrepro.probe.step import ProbeStep
 
@@ -128,7 +127,7 @@ class Probe:
         self._carrying = False
         self._work: Optional[torch.Tensor] = None
         # The hooks' samples, reduced a window at a time as they arrive (probe/stash.py).
-        window = lambda: self.window_blocks or WINDOW_BLOCKS  # noqa: E731
+        window = lambda: self.window_blocks or SAMPLE_WINDOW_BLOCKS  # noqa: E731
         self.acts = Stash(MOMENT_ROWS, self._reduce_act_window, window)  # module outputs, first call of the step
         self.act_grads = Stash(MOMENT_ROWS + LEVEL_ROWS, self._reduce_act_grad_window, window)  # at module outputs
         self._handles: list = []

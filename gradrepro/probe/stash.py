@@ -1,7 +1,7 @@
 """The hooks' samples of one logged step, reduced a fixed-size window at a time as the hooks
 deliver them: a hook costs one copy (and the slice that takes ``act_sample`` examples) into
 the window buffer, and a window is reduced as soon as the samples have moved past it, so the
-step holds at most one window of samples (``blocks.WINDOW_BLOCKS`` blocks, 8 MiB in float32;
+step holds at most one window of samples (``SAMPLE_WINDOW_BLOCKS`` blocks, 32 MiB in float32;
 as many blocks as the last step's samples where they are fewer), not a copy of every hooked
 output, whatever the model.
 
@@ -26,6 +26,13 @@ import torch
 from gradrepro.probe.blocks import BLOCK, Layout, Stats, _Rows, _StatRows, regrow_, release_, zero_pads_
 
 Reduce = Callable[[_Rows, object, _StatRows], None]
+
+# Blocks of the samples' window: 8 Mi entries, 32 MiB in float32, whatever the model. Larger than
+# the gradients' window (blocks.WINDOW_BLOCKS) because every window costs the same fixed passes
+# and a logged step must dispatch no more operations than the bare step: at 8 MiB resnet18's
+# samples at a batch of 9 took 5 windows per stash and 547 operations against the bare step's
+# 480; at 32 MiB, 2 windows and 451 (tests/test_benchmark.py).
+SAMPLE_WINDOW_BLOCKS = 4096
 
 
 class _Segment:
