@@ -10,7 +10,10 @@ import sys
 
 from gradrepro.errors import RAISED_SIGNALS, exit_code_of_signal, interrupt_on_stop_signals, signal_of
 
-interrupt_on_stop_signals(sigint=True)  # SIGINT, SIGTERM, SIGHUP: KeyboardInterrupt while the imports run
+# SIGINT, SIGTERM, SIGHUP: KeyboardInterrupt while the imports run. SIGINT too: a command started
+# in the background by a non-interactive shell inherits SIGINT ignored, and Python then keeps
+# it ignored, so a Ctrl-C sent during start-up would be lost until the run's own handler.
+interrupt_on_stop_signals(sigint=True)
 try:
     from gradrepro.cli import main as _cli_main
 
