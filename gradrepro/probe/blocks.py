@@ -144,11 +144,14 @@ def regrow_(t: torch.Tensor) -> None:
         storage.resize_(need)
 
 
-def _pads(real: np.ndarray, partial: np.ndarray, block: int, device: torch.device):
+def _pads(real: np.ndarray, partial: np.ndarray, block: int, device: torch.device,
+          arange: Optional[torch.Tensor] = None):
     """The blocks with padding (each segment's last, unless it is full) as a device index, and
     per such block its entries as a column: ``arange < tail`` is its mask (made on use, so
-    that a layout keeps a few bytes per segment, not a row of BLOCK per segment)."""
-    arange = torch.arange(block, dtype=torch.float32, device=device).view(1, block)
+    that a layout keeps a few bytes per segment, not a row of BLOCK per segment). ``arange``:
+    a row 0..block-1 to share (one per stash, not one per window)."""
+    if arange is None:
+        arange = torch.arange(block, dtype=torch.float32, device=device).view(1, block)
     if not len(partial):
         return None, None, arange
     tail = torch.tensor(real[partial], dtype=torch.float32, device=device).view(-1, 1)

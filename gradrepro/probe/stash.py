@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from gradrepro.probe.blocks import BLOCK, Layout, Stats, _Rows, _StatRows, regrow_, release_, zero_pads_
+from gradrepro.probe.blocks import BLOCK, Layout, Stats, _pads, _Rows, _StatRows, regrow_, release_, zero_pads_
 
 Reduce = Callable[[_Rows, object, _StatRows], None]
 
@@ -43,6 +43,7 @@ class _Segment:
         self.name, self.shape, self.first, self.pieces = name, shape, first, pieces
         self.numel = math.prod(shape)
         self.blocks = -(-self.numel // BLOCK)
+        self.real = _block_entries(self.numel)  # entries of each of its blocks
 
 
 class _Window:
@@ -51,12 +52,8 @@ class _Window:
     def __init__(self, real: np.ndarray, arange: torch.Tensor) -> None:
         self.real = real
         self.real_t = torch.tensor(real, dtype=torch.float32, device=arange.device)
-        partial = np.flatnonzero(real < BLOCK)
-        self.partial, self.tail = None, None
-        if len(partial):
-            self.tail = torch.tensor(real[partial], dtype=torch.float32, device=arange.device).view(-1, 1)
-            self.partial = torch.tensor(partial, dtype=torch.int64, device=arange.device)
-        self.arange = arange  # the stash's one row 0..BLOCK-1
+        # arange: the stash's one row 0..BLOCK-1
+        self.partial, self.tail, self.arange = _pads(real, np.flatnonzero(real < BLOCK), BLOCK, arange.device, arange)
 
 
 class Stash:
@@ -112,7 +109,7 @@ class Stash:
         self.seen[name] = value
         self._cursor += 1
         self.blocks = segment.first + segment.blocks
-        self._real.append(_block_entries(segment.numel))
+        self._real.append(segment.real)
         for window, target, begin, length, whole in segment.pieces:
             if window != self._open:
                 self._flush()
