@@ -17,7 +17,8 @@ Method (benchmarks/README.md has the measured tables):
   ``(m0 + m1 + (k - 2) m_rest) / k``. ``ratio`` = that / the bare loop's median step.
 - ``--device cuda``: models and batches on the GPU; each timed step is bracketed by
   ``torch.cuda.synchronize`` (CUDA runs asynchronously), memory from the allocator.
-- ``mem_ratio``: the peak memory training adds, against the bare loop's (memory.py).
+- ``mem_ratio``: the peak memory training adds, against the bare loop's (memory.py): RSS on
+  CPU; ``tensor_mem_ratio`` the same for tensor bytes alone (the allocator's count on CUDA).
 - ``--ops``: the operations the probe dispatches on one logged step and the bare step's own
   count, and the host waits among them (op_count.py): ``probe_ops``, ``bare_ops``,
   ``probe_syncs`` in every row of the model. ``--ops-only``: only those, one row per model.
@@ -204,13 +205,14 @@ def fmt(x: Optional[float], spec: str) -> str:
 
 
 def table(rows: List[dict]) -> str:
-    lines = ["| model | tool | every | step (ms) | ratio | unlogged ratio | own ratio | mem ratio |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | tool | every | step (ms) | ratio | unlogged ratio | own ratio | mem ratio | tensor mem ratio |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         step = None if r.get("step_s") is None else 1e3 * r["step_s"]
         lines.append(f"| {r['model']} | {r['tool']} | {r['every']} | {fmt(step, '.1f')} | "
                      f"{fmt(r.get('ratio'), '.3f')} | {fmt(r.get('unlogged_ratio'), '.3f')} | "
-                     f"{fmt(r.get('own_ratio'), '.3f')} | {fmt(r.get('mem_ratio'), '.2f')} |"
+                     f"{fmt(r.get('own_ratio'), '.3f')} | {fmt(r.get('mem_ratio'), '.2f')} | "
+                     f"{fmt(r.get('tensor_mem_ratio'), '.2f')} |"
                      + (f" {r['error'][:60]}" if r.get("error") else ""))
     return "\n".join(lines)
 
@@ -238,7 +240,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--block", type=int, help="steps per block (default 4; quick 3)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
-    p.add_argument("--mem-steps", type=int, default=4)
+    p.add_argument("--mem-steps", type=int, default=4,
+                   help="steps per memory process, at least through the second logged step")
     p.add_argument("--growth", action="store_true", help="run the cost-growth study")
     p.add_argument("--growth-only", action="store_true", help="only the cost-growth study")
     p.add_argument("--growth-tensors", nargs="+", type=int, default=[10, 32, 100, 320, 1000])

@@ -24,6 +24,7 @@ from gradrepro.probe.blocks import (
     squares,
 )
 from gradrepro.probe.config import ProbeConfig
+from gradrepro.probe.probe import PARAM_ROWS
 
 
 def held_bytes(obj, exclude: set) -> int:
@@ -284,3 +285,36 @@ def test_the_samples_windows_hold_what_the_hooks_saw():
         np.testing.assert_allclose(p.columns["act_mean"][rows], float(seen[module].mean()), rtol=1e-5)
         # std with n - 1, as the probe's
         np.testing.assert_allclose(p.columns["act_std"][rows], float(seen[module].std()), rtol=1e-5)
+
+
+def test_a_logged_step_holds_one_samples_buffer_and_across_the_optimizer_step_the_copy_alone():
+    """Two moments of a first logged step, whose samples grow the stash's buffer from one block
+    by doubling: when backward ends, each stash holds one buffer (the grown one; the smaller
+    ones it outgrew are freed as it grows, not kept until the step's layout is settled); while
+    the optimizer steps, the probe holds the copy of the parameters and its per-block rows,
+    not the gradients' windows or the samples' buffers (none is read across the step)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(2048, 2048), nn.Tanh())])
+    probe = Probe(net, ProbeConfig(every=16, act_sample=8), total_steps=2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(16, 2048), torch.randint(0, 2048, (16,))
+    own = lambda: {t.untyped_storage().data_ptr() for q in net.parameters()  # noqa: E731
+                   for t in (q, q.grad) if t is not None}
+    params = list(net.parameters())
+    copy = 4 * sum(-(-q.numel() // BLOCK) * BLOCK for q in params)
+    stats = 4 * len(PARAM_ROWS) * sum(-(-q.numel() // BLOCK) for q in params)
+    small = 3 * 4 * BLOCK + 16 * (copy // (4 * BLOCK)) + 64 * len(params) + 4096  # as above
+    at_step = []
+    opt.register_step_pre_hook(lambda *_: at_step.append(held_bytes(probe, own())))
+    with probe.step(0, lr=0.1) as p:
+        nn.functional.cross_entropy(net(x), y).backward()
+        samples = probe.act_grads._buffer.untyped_storage().nbytes()
+        assert samples >= 4 * BLOCK * 48  # the 6 Linear outputs' 8 x 2,048 samples: 48 blocks
+        for stash in (probe.acts, probe.act_grads):
+            rows = stash.stats.data.untyped_storage().nbytes()
+            assert held_bytes(stash, own()) <= samples + rows + small, stash
+        p.collect()
+        opt.step()
+    assert p.columns is not None and np.isfinite(p.columns["update_to_param"]).all()
+    rows_held = sum(s.stats.data.untyped_storage().nbytes() for s in (probe.acts, probe.act_grads))
+    assert copy + stats <= at_step[0] <= copy + stats + rows_held + small, (at_step, copy)

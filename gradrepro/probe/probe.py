@@ -307,8 +307,8 @@ class Probe:
     def _collect(self) -> None:
         device = self.params[0].device
         with torch.no_grad():
+            self._reduce_stashes()  # first: their windows are handed back before any buffer below grows
             self._ensure_layout()
-            self._reduce_stashes()
             have = [i for i, p in enumerate(self.params) if p.grad is not None]
             grads = [_real(self.params[i].grad) for i in have]
             windows, stats = self._windows, self.stats
@@ -353,6 +353,9 @@ class Probe:
                 zero_pads_(before, self.layout)
                 for part, rows, b in zip(windows.parts, windows.rows(stats), windows.rows(before)):
                     squares(b.grid, rows, "p_", work=part.work.grid)
+        # The windows hold nothing across the optimizer's step (their next use writes them
+        # first): handed back, so that the step's memory is the copy's alone beside the training's.
+        windows.release()
         self._pending = {"have": have, "grads": grads, "carried": self._carrying,
                          "fresh": fresh if self._summing else None}
 
@@ -400,14 +403,21 @@ class Probe:
         pending = self._pending
         self._pending = None
         windows, before = self._windows, self._before
+        # Where nothing reads the update after its norms (no bf16 count, no running-sum
+        # residuals), its scaled pass overwrites it and the windows stay handed back.
+        spare = self.bf16 or self._host_before or (self._summing and pending.get("fresh") is not None)
         with torch.no_grad():
+            if spare:
+                windows.regrow()
             params = self._real_params()
             if self._host_before:  # the update a window at a time, bf16's count with it
                 self._host_updates(params, pending)
             else:
                 torch._foreach_sub_(before.views, params)  # before - after
                 for part, rows, b in zip(windows.parts, windows.rows(self.stats), windows.rows(before)):
-                    squares(b.grid, rows, "u_", work=part.work.grid)
+                    squares(b.grid, rows, "u_", work=part.work.grid if spare else b.grid)
+                if not spare:
+                    before.release()  # spent: its memory back before the transfer's
             parts = {"params": self.stats.data}
             if self.acts.seen:
                 parts["acts"] = self.acts.result()

@@ -183,6 +183,11 @@ class Stash:
         self._buffer = torch.empty(rows * BLOCK, dtype=torch.float32, device=old.device)
         if self._open >= 0 and used > 0:
             self._buffer[: used * BLOCK].copy_(old[: used * BLOCK])
+        # The earlier segments are written (a growth lays out a new segment, and the last
+        # step's from here on were dropped): their targets go, so that the old buffer is freed
+        # now, not held with every larger one until ``_fit_buffer`` lays them out again.
+        for segment in self._segments:
+            segment.pieces = None
         self._work, self._stale = {}, True
 
     def _fit_buffer(self) -> None:
@@ -191,7 +196,12 @@ class Stash:
         what they need and reuses every view."""
         rows = min(self._window_size, self._last_blocks)
         if rows and (self._stale or self._buffer.numel() != rows * BLOCK):
-            self._buffer = torch.empty(rows * BLOCK, dtype=torch.float32, device=self._buffer.device)
+            if self._buffer.numel() != rows * BLOCK:  # the old one goes before the new one comes
+                device, self._work = self._buffer.device, {}
+                for segment in self._segments:
+                    segment.pieces = None
+                self._buffer = None
+                self._buffer = torch.empty(rows * BLOCK, dtype=torch.float32, device=device)
             self._work = {}
             for segment in self._segments:
                 segment.pieces = self._pieces(segment.first, segment.shape)
