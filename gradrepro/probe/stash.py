@@ -196,13 +196,12 @@ class Stash:
         what they need and reuses every view."""
         rows = min(self._window_size, self._last_blocks)
         if rows and (self._stale or self._buffer.numel() != rows * BLOCK):
-            if self._buffer.numel() != rows * BLOCK:  # the old one goes before the new one comes
-                device, self._work = self._buffer.device, {}
-                for segment in self._segments:
-                    segment.pieces = None
-                self._buffer = None
-                self._buffer = torch.empty(rows * BLOCK, dtype=torch.float32, device=device)
             self._work = {}
+            for segment in self._segments:
+                segment.pieces = None
+            if self._buffer.numel() != rows * BLOCK:  # the old one goes before the new one comes
+                device, self._buffer = self._buffer.device, None
+                self._buffer = torch.empty(rows * BLOCK, dtype=torch.float32, device=device)
             for segment in self._segments:
                 segment.pieces = self._pieces(segment.first, segment.shape)
         self._stale = False
