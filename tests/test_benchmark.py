@@ -34,12 +34,33 @@ def test_overhead_benchmark_quick_run_writes_rows(tmp_path):
         assert r["model"] == "plain30"
         assert r["step_s"] > 0 and math.isfinite(r["ratio"])
     bare = next(r for r in rows if r["tool"] == "bare")
-    assert bare["ratio"] == 1.0 and bare["mem_ratio"] == 1.0
+    assert bare["ratio"] == 1.0 and bare["mem_ratio"] == 1.0 and bare["tensor_mem_ratio"] == 1.0
+    # Each memory process runs through the second logged step: step 0 runs before the optimizer
+    # has state. The probe only adds to the same training, so its tensor peak is not below.
+    assert {(r["every"], r["mem_steps"]) for r in rows} == {(1, 3), (4, 6)}  # every + 2
+    assert all(r["tensor_mem_ratio"] >= 1.0 for r in rows if r["tool"] == "gradrepro")
     # every 4 has steps without probe code: its schedule is also paired with those
     every4 = next(r for r in rows if r["every"] == 4)
     assert every4["own_ratio"] == pytest.approx(every4["step_s"] / every4["unlogged_s"])
     assert "own_ratio" not in next(r for r in rows if r["tool"] == "gradrepro" and r["every"] == 1)
     assert "| plain30 | gradrepro | 4 |" in proc.stdout  # the printed table
+
+
+def test_the_tensor_peak_counts_what_is_allocated_and_not_yet_freed():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from memory import tensor_peak_bytes
+
+    kept = torch.empty(1 << 18)  # before: freed inside, it counts nothing
+
+    def run() -> None:
+        nonlocal kept
+        a = torch.empty(1 << 20)  # 4 MiB
+        b = torch.empty(1 << 19)  # 2 MiB, beside a: the peak
+        del a, kept
+        c = torch.empty(1 << 20)  # 4 MiB beside b: 6 MiB again, not more
+        del b, c
+
+    assert tensor_peak_bytes(run) == 6 << 20
 
 
 def test_op_counter_sees_host_waits_and_nothing_else():
