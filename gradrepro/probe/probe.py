@@ -403,9 +403,10 @@ class Probe:
         pending = self._pending
         self._pending = None
         windows, before = self._windows, self._before
+        residuals = self._summing and pending.get("fresh") is not None and self.lr > 0
         # Where nothing reads the update after its norms (no bf16 count, no running-sum
         # residuals), its scaled pass overwrites it and the windows stay handed back.
-        spare = self.bf16 or self._host_before or (self._summing and pending.get("fresh") is not None)
+        spare = self.bf16 or self._host_before or residuals
         with torch.no_grad():
             if spare:
                 windows.regrow()
@@ -423,7 +424,7 @@ class Probe:
                 parts["acts"] = self.acts.result()
             if self.act_grads.seen:
                 parts["act_grads"] = self.act_grads.result()
-            if self._summing and pending.get("fresh") is not None and self.lr > 0:
+            if residuals:
                 parts["residuals"] = step_residuals(
                     self._before.views, pending["have"], pending["fresh"], self._running, self.lr)
             parts.update(optional_parts(self.module_of, self._per_example, self._act_grad_hist,

@@ -178,7 +178,7 @@ class Stash:
     def _grow_buffer(self, rows: int) -> None:
         """More samples than the buffer holds (a first step, or more than the last step's): a
         buffer of ``rows`` (at most a window) with the open window's rows so far; the step's
-        earlier segments keep targets in the old one until ``_fit_buffer``."""
+        earlier segments get targets in it again in ``_fit_buffer``."""
         old, used = self._buffer, self.blocks - max(self._open, 0) * self._window_size
         self._buffer = torch.empty(rows * BLOCK, dtype=torch.float32, device=old.device)
         if self._open >= 0 and used > 0:
@@ -186,9 +186,8 @@ class Stash:
         # The earlier segments are written (a growth lays out a new segment, and the last
         # step's from here on were dropped): their targets go, so that the old buffer is freed
         # now, not held with every larger one until ``_fit_buffer`` lays them out again.
-        for segment in self._segments:
-            segment.pieces = None
-        self._work, self._stale = {}, True
+        self._drop_targets()
+        self._stale = True
 
     def _fit_buffer(self) -> None:
         """After a step: a buffer of as many rows as its samples (at most a window), and every
@@ -196,15 +195,20 @@ class Stash:
         what they need and reuses every view."""
         rows = min(self._window_size, self._last_blocks)
         if rows and (self._stale or self._buffer.numel() != rows * BLOCK):
-            self._work = {}
-            for segment in self._segments:
-                segment.pieces = None
+            self._drop_targets()
             if self._buffer.numel() != rows * BLOCK:  # the old one goes before the new one comes
                 device, self._buffer = self._buffer.device, None
                 self._buffer = torch.empty(rows * BLOCK, dtype=torch.float32, device=device)
             for segment in self._segments:
                 segment.pieces = self._pieces(segment.first, segment.shape)
         self._stale = False
+
+    def _drop_targets(self) -> None:
+        """Every view into the buffer let go (the segments' targets, the work rows), so that
+        replacing the buffer frees it."""
+        self._work = {}
+        for segment in self._segments:
+            segment.pieces = None
 
     def _pieces(self, first: int, shape: Tuple[int, ...]) -> list:
         numel, size = math.prod(shape), self._window_size
