@@ -5,6 +5,8 @@ parameters in host memory (probe.before_on=host) giving the same records as besi
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -318,3 +320,35 @@ def test_a_logged_step_holds_one_samples_buffer_and_across_the_optimizer_step_th
     assert p.columns is not None and np.isfinite(p.columns["update_to_param"]).all()
     rows_held = sum(s.stats.data.untyped_storage().nbytes() for s in (probe.acts, probe.act_grads))
     assert copy + stats <= at_step[0] <= copy + stats + rows_held + small, (at_step, copy)
+
+
+def test_the_output_gradients_window_holds_what_has_arrived():
+    """On a logged step after the first, each output gradient's hook grows the samples' storage
+    to hold what has arrived (doubling): at the start of backward, where the training's memory
+    peaks, the stash holds the first few gradients' samples, not the size of all of them (the
+    previous probe made its buffer the last step's samples' size at the first hook)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(2048, 2048), nn.Tanh())], nn.Linear(2048, 10))
+    probe = Probe(net, ProbeConfig(every=1, act_sample=8), total_steps=3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(16, 2048), torch.randint(0, 10, (16,))
+    stash, seen = probe.act_grads, []
+    put = stash.put
+
+    def watched(name, sample, value=float("nan")):
+        put(name, sample, value)
+        arrived = sum(-(-math.prod(s.shape) // BLOCK) for s in stash._segments[: stash._cursor])
+        seen.append((arrived, stash._buffer.untyped_storage().nbytes()))
+
+    stash.put = watched
+    for step in range(3):
+        seen.clear()
+        opt.zero_grad(set_to_none=True)
+        with probe.step(step, lr=0.1) as p:
+            nn.functional.cross_entropy(net(x), y).backward()
+            p.collect()
+            opt.step()
+    total = seen[-1][0]  # 6 x 8 blocks and the last layer's 1
+    assert total == 49 and seen[0][0] == 1
+    for arrived, held in seen:
+        assert held <= 2 * 4 * BLOCK * arrived, (arrived, held)
