@@ -33,11 +33,12 @@ from gradrepro.probe.blocks import BLOCK, Layout, Stats, _pads, _Rows, _StatRows
 
 Reduce = Callable[[_Rows, object, _StatRows], None]
 
-# Blocks of the samples' window: 8 Mi entries, 32 MiB in float32, whatever the model. Larger than
-# the gradients' window (blocks.WINDOW_BLOCKS) because every window costs the same fixed passes
-# and a logged step must dispatch no more operations than the bare step: at 8 MiB resnet18's
-# samples at a batch of 9 took 5 windows per stash and 547 operations against the bare step's
-# 480; at 32 MiB, 2 windows and 451 (tests/test_benchmark.py).
+# Blocks of the samples' window: 8 Mi entries, 32 MiB in float32, whatever the model (the output
+# gradients' stash takes half: probe.py). Larger than the gradients' window (blocks.WINDOW_BLOCKS)
+# because every window costs the same fixed passes and a logged step must dispatch no more
+# operations than the bare step: at 8 MiB resnet18's samples at a batch of 9 took 5 windows per
+# stash and 547 operations against the bare step's 480; at 32 MiB, 2 windows and 451; with the
+# output gradients' at 16 MiB, 3 of those and 467 (tests/test_benchmark.py).
 SAMPLE_WINDOW_BLOCKS = 4096
 
 
