@@ -328,8 +328,8 @@ def test_output_gradient_counts_from_a_float16_copy_are_the_exact_counts():
     on the samples themselves: the flush line and its neighbours, subnormals, signed zeros,
     NaN, inf and values past float16's range, in windows of 2 blocks."""
     from gradrepro.probe.blocks import COUNT_ROWS, segment_nonzero_counts
-    from gradrepro.probe.states import FP16_FLUSH
     from gradrepro.probe.stash import Stash
+    from gradrepro.probe.states import FP16_FLUSH
 
     flush = np.float32(FP16_FLUSH)
     special = torch.tensor([0.0, -0.0, flush, -flush, np.nextafter(flush, np.float32(1)),

@@ -43,7 +43,6 @@ from gradrepro.probe.blocks import (
     bf16_lost_,
     level_sums_,
     moments_,
-    regrow_,
     release_,
     squares,
     zero_pads_,
