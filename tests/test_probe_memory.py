@@ -404,9 +404,11 @@ def test_the_gradients_windows_are_handed_back_before_the_copy_grows():
         with probe.step(step, lr=0.1) as p:
             nn.functional.cross_entropy(net(x), y).backward()
             if probe._before is not None and not at_copy:
-                regrow = probe._before.regrow
-                probe._before.regrow = lambda: (at_copy.append(probe._windows.buffer.untyped_storage().nbytes()),
-                                                regrow())
+                def watched(regrow=probe._before.regrow):
+                    at_copy.append(probe._windows.buffer.untyped_storage().nbytes())
+                    regrow()
+
+                probe._before.regrow = watched
             p.collect()
             opt.step()
         assert np.isfinite(p.columns["param_norm"]).all() and (p.columns["param_norm"] > 0).all()
