@@ -5,6 +5,8 @@ parameters in host memory (probe.before_on=host) giving the same records as besi
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -318,3 +320,96 @@ def test_a_logged_step_holds_one_samples_buffer_and_across_the_optimizer_step_th
     assert p.columns is not None and np.isfinite(p.columns["update_to_param"]).all()
     rows_held = sum(s.stats.data.untyped_storage().nbytes() for s in (probe.acts, probe.act_grads))
     assert copy + stats <= at_step[0] <= copy + stats + rows_held + small, (at_step, copy)
+
+
+def test_output_gradient_counts_from_a_float16_copy_are_the_exact_counts():
+    """The output gradients' zero and fp16-flush counts, taken through a float16 copy of the
+    window (its rounding to nearest even takes exactly |x| <= 2^-25 to zero), against counts
+    on the samples themselves: the flush line and its neighbours, subnormals, signed zeros,
+    NaN, inf and values past float16's range, in windows of 2 blocks."""
+    from gradrepro.probe.blocks import COUNT_ROWS, segment_nonzero_counts
+    from gradrepro.probe.stash import Stash
+    from gradrepro.probe.states import FP16_FLUSH
+
+    flush = np.float32(FP16_FLUSH)
+    special = torch.tensor([0.0, -0.0, flush, -flush, np.nextafter(flush, np.float32(1)),
+                            -np.nextafter(flush, np.float32(1)), np.nextafter(flush, np.float32(0)), 1e-45,
+                            2.0**-24, 3e-8, 65504.0, 7e4, 1e38, -1e38, float("inf"), float("-inf"), float("nan")],
+                           dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for n in (5000, 3, 2048, 4097, 17):
+        x = torch.randn(n, generator=g) * 2.0 ** torch.randint(-40, 20, (n,), generator=g).float()
+        where = torch.randint(0, n, (min(n, 40),), generator=g)
+        x[where] = special[torch.randint(0, len(special), (len(where),), generator=g)]
+        samples.append(x)
+    probe = Probe(_net(), ProbeConfig(every=1, act_sample=8), total_steps=1)
+    stash = Stash(MOMENT_ROWS + COUNT_ROWS, probe._reduce_act_grad_window, lambda: 2)
+    for _ in range(2):  # a first step lays the samples out, a second reuses the layout
+        stash.begin()
+        for i, x in enumerate(samples):
+            stash.put(str(i), x)
+        assert stash.settle()
+        rows = dict(zip(stash.stats.names, stash.result().numpy().astype(np.float64)))
+        zeros, small = segment_nonzero_counts(stash.layout, rows, "")
+        np.testing.assert_array_equal(zeros, [float((x == 0).sum()) for x in samples])
+        np.testing.assert_array_equal(small, [float((x.abs() <= FP16_FLUSH).sum()) for x in samples])
+
+
+def test_the_output_gradients_window_holds_what_has_arrived():
+    """On a logged step after the first, each output gradient's hook grows the samples' storage
+    to hold what has arrived (doubling): at the start of backward, where the training's memory
+    peaks, the stash holds the first few gradients' samples, not the size of all of them (the
+    previous probe made its buffer the last step's samples' size at the first hook)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(2048, 2048), nn.Tanh())], nn.Linear(2048, 10))
+    probe = Probe(net, ProbeConfig(every=1, act_sample=8), total_steps=3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(16, 2048), torch.randint(0, 10, (16,))
+    stash, seen = probe.act_grads, []
+    put = stash.put
+
+    def watched(name, sample, value=float("nan")):
+        put(name, sample, value)
+        arrived = sum(-(-math.prod(s.shape) // BLOCK) for s in stash._segments[: stash._cursor])
+        seen.append((arrived, stash._buffer.untyped_storage().nbytes()))
+
+    stash.put = watched
+    for step in range(3):
+        seen.clear()
+        opt.zero_grad(set_to_none=True)
+        with probe.step(step, lr=0.1) as p:
+            nn.functional.cross_entropy(net(x), y).backward()
+            p.collect()
+            opt.step()
+    total = seen[-1][0]  # 6 x 8 blocks and the last layer's 1
+    assert total == 49 and seen[0][0] == 1
+    for arrived, held in seen:
+        assert held <= 2 * 4 * BLOCK * arrived, (arrived, held)
+
+
+def test_the_gradients_windows_are_handed_back_before_the_copy_grows():
+    """The copy of the parameters is the largest buffer of a logged step: it grows after the
+    gradients' windows are handed back (its norms' scaled pass runs in place on it and a second
+    copy puts its values back), so the two are never held together; the records are those of
+    a window kept beside it (the other tests of this file)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(2048, 2048), nn.Tanh())])
+    probe = Probe(net, ProbeConfig(every=1, act_sample=8), total_steps=2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(16, 2048), torch.randint(0, 2048, (16,))
+    at_copy = []
+    for step in range(2):
+        opt.zero_grad(set_to_none=True)
+        with probe.step(step, lr=0.1) as p:
+            nn.functional.cross_entropy(net(x), y).backward()
+            if probe._before is not None and not at_copy:
+                def watched(regrow=probe._before.regrow):
+                    at_copy.append(probe._windows.buffer.untyped_storage().nbytes())
+                    regrow()
+
+                probe._before.regrow = watched
+            p.collect()
+            opt.step()
+        assert np.isfinite(p.columns["param_norm"]).all() and (p.columns["param_norm"] > 0).all()
+    assert at_copy == [0]

@@ -40,6 +40,7 @@ BLOCK = 2048
 MOMENT_ROWS = ("sum", "centre", "dsum", "hi", "lo")  # per block: sum, c, sum(x - c), |x - c| twice
 SQUARE_ROWS = ("hi", "lo")  # per block: |x|, |x * 2^100|
 LEVEL_ROWS = ("l1", "l2")  # per block: sum of levels, norm of levels
+COUNT_ROWS = ("nonzero", "kept")  # per block: entries not zero, entries fp16 keeps not zero
 
 
 class Layout:
@@ -342,6 +343,13 @@ def segment_moments(layout: Layout, rows: Dict[str, np.ndarray], prefix: str):
         spread = n_b * (mean_b - mean[layout.segment]) ** 2
         ssd = layout.segment_sum(ssd_b) + layout.segment_sum(spread)
         return mean, ssd, ssd + np.where(n > 0, n * mean * mean, 0.0)  # empty: 0, as a norm
+
+
+def segment_nonzero_counts(layout: Layout, rows: Dict[str, np.ndarray], prefix: str):
+    """Per segment: zero entries, and entries with |x| <= FP16_FLUSH (zeros included), from
+    ``COUNT_ROWS`` (the same per-block integers as ``segment_counts`` gives from levels)."""
+    real = layout.real
+    return layout.segment_sum(real - rows[prefix + "nonzero"]), layout.segment_sum(real - rows[prefix + "kept"])
 
 
 def segment_counts(layout: Layout, rows: Dict[str, np.ndarray], prefix: str):

@@ -9,7 +9,7 @@ from typing import Any, Dict
 import numpy as np
 import torch
 
-from gradrepro.probe.blocks import segment_counts, segment_moments, segment_squares
+from gradrepro.probe.blocks import segment_counts, segment_moments, segment_nonzero_counts, segment_squares
 from gradrepro.probe.kernels import HIST_COLUMNS, robust_norms, std_from_ssd
 from gradrepro.probe.stash import Stash
 from gradrepro.probe.states import FP16_FLUSH, grad_states
@@ -137,7 +137,7 @@ def activation_columns(probe: Any, host: Dict[str, np.ndarray]) -> Dict[str, np.
         seg, rows = _per_module(ag, mods, host["act_grads"])
         layout = ag.layout
         _, ssd, _ = segment_moments(layout, rows, "")
-        zeros, small = segment_counts(layout, rows, "")
+        zeros, small = segment_nonzero_counts(layout, rows, "")
         numel = layout.numel.astype(np.float64)
         scale = np.array([ag.seen.get(name, np.nan) for name in ag.index], dtype=np.float64)
         with np.errstate(divide="ignore", invalid="ignore"):

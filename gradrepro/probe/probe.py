@@ -31,6 +31,8 @@ import torch
 from torch import nn
 
 from gradrepro.probe.blocks import (
+    BLOCK,
+    COUNT_ROWS,
     LEVEL_ROWS,
     MOMENT_ROWS,
     SQUARE_ROWS,
@@ -41,7 +43,6 @@ from gradrepro.probe.blocks import (
     bf16_lost_,
     level_sums_,
     moments_,
-    regrow_,
     release_,
     squares,
     zero_pads_,
@@ -125,11 +126,16 @@ class Probe:
         self._staging: Optional[Windows] = None
         self._carried: Optional[Buffer] = None
         self._carrying = False
-        self._work: Optional[torch.Tensor] = None
+        # The output gradients' fp16-flush count: a float16 copy of a window, and its count row.
+        self._half: Optional[torch.Tensor] = None
+        self._half_views: Dict[int, tuple] = {}
         # The hooks' samples, reduced a window at a time as they arrive (probe/stash.py).
         window = lambda: self.window_blocks or SAMPLE_WINDOW_BLOCKS  # noqa: E731
         self.acts = Stash(MOMENT_ROWS, self._reduce_act_window, window)  # module outputs, first call of the step
-        self.act_grads = Stash(MOMENT_ROWS + LEVEL_ROWS, self._reduce_act_grad_window, window)  # at module outputs
+        # The output gradients' window is half the outputs': it is held through backward, where
+        # the training's own memory is highest (benchmarks/README.md, memory).
+        grad_window = lambda: self.window_blocks or SAMPLE_WINDOW_BLOCKS // 2  # noqa: E731
+        self.act_grads = Stash(MOMENT_ROWS + COUNT_ROWS, self._reduce_act_grad_window, grad_window)  # at module outputs
         self._handles: list = []
         self._hook_fns: Dict[str, object] = {}
         self._act_grad_hist: Dict[str, torch.Tensor] = {}
@@ -338,8 +344,8 @@ class Probe:
                 for i, f in zip(have, fresh):
                     self._running[i] += f.double()
             before = self._before
-            before.regrow()
             if self._host_before:  # a window at a time through the work buffer, then to the host
+                before.regrow()
                 param_of = dict(enumerate(self._real_params()))
                 for part, rows, h in zip(windows.parts, windows.rows(stats), windows.rows(before)):
                     targets, sources = windows.pieces(part, param_of)
@@ -349,10 +355,17 @@ class Probe:
                     h.flat.copy_(work.flat, non_blocking=True)  # ordered before the next pass
                     squares(work.grid, rows, "p_", work=work.grid)
             else:
-                _copy_(before.views, self._real_params())
+                # The windows go before the copy comes, so that the copy alone is held beside the
+                # gradients: its norms' scaled pass runs in place, and a second copy (the
+                # parameters are as they were) puts its values back.
+                windows.release()
+                before.regrow()
+                params = self._real_params()
+                _copy_(before.views, params)
                 zero_pads_(before, self.layout)
-                for part, rows, b in zip(windows.parts, windows.rows(stats), windows.rows(before)):
-                    squares(b.grid, rows, "p_", work=part.work.grid)
+                for rows, b in zip(windows.rows(stats), windows.rows(before)):
+                    squares(b.grid, rows, "p_", work=b.grid)
+                _copy_(before.views, params)
         # The windows hold nothing across the optimizer's step (their next use writes them
         # first): handed back, so that the step's memory is the copy's alone beside the training's.
         windows.release()
@@ -376,27 +389,41 @@ class Probe:
             self._reduce_acts()
         self.act_grads.settle()
         self.act_grads.release_buffer()
-        if self._work is not None:
-            release_(self._work)
 
     @staticmethod
     def _reduce_act_window(work, window, rows) -> None:
         moments_(work, window, rows, "")
 
     def _reduce_act_grad_window(self, work, window, rows) -> None:
-        """Levels of |x| through a work buffer of the window's size, then the moments in place."""
-        levels = self._work_for(work.grid.shape[0], work.grid.shape[1], work.grid.device)
-        torch.abs(work.grid, out=levels)
-        level_sums_(levels, rows, "", nan=True)
+        """The zero and fp16-flush counts, then the moments in place. Per block, the entries
+        that are not zero (a norm of order 0: NaN and inf count) and those a float16 copy keeps
+        non-zero (|x| > FP16_FLUSH = 2^-25, NaN and inf: rounding to nearest even takes exactly
+        the others to zero), through a float16 copy of the window (half its bytes, handed back
+        at once), so that the window itself stays as the moments need it."""
+        grid = work.grid
+        half, kept = self._half_for(grid.shape[0], grid.device)
+        torch.linalg.vector_norm(grid, 0, dim=1, out=rows.row["nonzero"])
+        half.copy_(grid)
+        torch.linalg.vector_norm(half, 0, dim=1, out=kept)  # exact: at most BLOCK
+        rows.row["kept"].copy_(kept)
+        release_(half)
         moments_(work, window, rows, "")
 
-    def _work_for(self, rows: int, block: int, device: torch.device) -> torch.Tensor:
-        """A ``rows x block`` float32 buffer for the output gradients' level pass (written
-        whole by ``torch.abs(..., out=)`` before each use; its memory handed back after)."""
-        if self._work is None or self._work.shape[0] < rows or self._work.device != device:
-            self._work = torch.empty(rows, block, dtype=torch.float32, device=device)
-        regrow_(self._work)
-        return self._work if self._work.shape[0] == rows else self._work[:rows]
+    def _half_for(self, rows: int, device: torch.device):
+        """A ``rows x BLOCK`` float16 grid and a count row of ``rows`` after it, in one buffer
+        whose storage holds those alone (grown here, handed back after each use)."""
+        need = rows * (BLOCK + 1)
+        if self._half is None or self._half.numel() < need or self._half.device != device:
+            self._half = torch.empty(need, dtype=torch.float16, device=device)
+            self._half_views = {}
+        storage = self._half.untyped_storage()
+        if storage.nbytes() < 2 * need:
+            storage.resize_(2 * need)
+        views = self._half_views.get(rows)
+        if views is None:
+            views = self._half_views[rows] = (self._half.narrow(0, 0, rows * BLOCK).view(rows, BLOCK),
+                                              self._half.narrow(0, rows * BLOCK, rows))
+        return views
 
     # -- after the optimizer step: update norms and the one host transfer -----------------
     def _after_step(self, step: int) -> Dict[str, np.ndarray]:
@@ -469,8 +496,8 @@ class Probe:
             buf.release()
         self.acts.release()
         self.act_grads.release()
-        if self._work is not None:
-            release_(self._work)
+        if self._half is not None:
+            release_(self._half)
         for kept in (self._act_grad_hist, self._inputs, self._per_example):
             kept.clear()
         self._pending = None  # it refers to the step's gradients

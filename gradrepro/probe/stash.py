@@ -1,9 +1,15 @@
 """The hooks' samples of one logged step, reduced a fixed-size window at a time as the hooks
 deliver them: a hook costs one copy (and the slice that takes ``act_sample`` examples) into
 the window buffer, and a window is reduced as soon as the samples have moved past it, so the
-step holds at most one window of samples (``SAMPLE_WINDOW_BLOCKS`` blocks, 32 MiB in float32;
-as many blocks as the last step's samples where they are fewer), not a copy of every hooked
-output, whatever the model.
+step holds at most one window of samples (``SAMPLE_WINDOW_BLOCKS`` blocks, 32 MiB in float32),
+not a copy of every hooked output, whatever the model.
+
+The window's memory is what has arrived: its storage starts empty in each window and grows
+(doubling, up to the blocks the last step's samples took there) as the samples come, so what
+it holds at the training's peak (early in backward, where the output gradients are the first
+few) is those samples, not the window's size. Growing keeps the views (the storage is resized,
+as ``blocks.release_`` shrinks it), so a hook still costs one copy; the pads of a window's
+partial blocks are zeroed when it is reduced.
 
 The samples are laid out in the order the hooks deliver them, each from a block boundary, as
 one layout of blocks (``blocks.Layout``): the per-block rows are those a whole-layout buffer
@@ -27,17 +33,19 @@ from gradrepro.probe.blocks import BLOCK, Layout, Stats, _pads, _Rows, _StatRows
 
 Reduce = Callable[[_Rows, object, _StatRows], None]
 
-# Blocks of the samples' window: 8 Mi entries, 32 MiB in float32, whatever the model. Larger than
-# the gradients' window (blocks.WINDOW_BLOCKS) because every window costs the same fixed passes
-# and a logged step must dispatch no more operations than the bare step: at 8 MiB resnet18's
-# samples at a batch of 9 took 5 windows per stash and 547 operations against the bare step's
-# 480; at 32 MiB, 2 windows and 451 (tests/test_benchmark.py).
+# Blocks of the samples' window: 8 Mi entries, 32 MiB in float32, whatever the model (the output
+# gradients' stash takes half: probe.py). Larger than the gradients' window (blocks.WINDOW_BLOCKS)
+# because every window costs the same fixed passes and a logged step must dispatch no more
+# operations than the bare step: at 8 MiB resnet18's samples at a batch of 9 took 5 windows per
+# stash and 547 operations against the bare step's 480; at 32 MiB, 2 windows and 451; with the
+# output gradients' at 16 MiB, 3 of those and 467 (tests/test_benchmark.py).
 SAMPLE_WINDOW_BLOCKS = 4096
 
 
 class _Segment:
     """One sample of the step: where its entries go (``pieces``: per window it reaches, the
-    target view, its first entry in the sample and its length, and whether it is the whole)."""
+    target view, its first entry in the sample and its length, whether it is the whole, and
+    the window's entries up to the end of its last block)."""
 
     def __init__(self, name: str, shape: Tuple[int, ...], first: int, pieces: list) -> None:
         self.name, self.shape, self.first, self.pieces = name, shape, first, pieces
@@ -72,16 +80,17 @@ class Stash:
         self.blocks = 0
         self._segments: List[_Segment] = []  # the last step's, reused while this one matches
         self._cursor = 0
-        self._buffer: Optional[torch.Tensor] = None  # at most one window of blocks x BLOCK, float32
+        # At most one window of blocks x BLOCK, float32: its storage holds the open window's
+        # samples so far (``_hold``), and no bytes between windows and between logged steps.
+        self._buffer: Optional[torch.Tensor] = None
         self._window_size = 0
         self._open = -1  # the window the samples are filling
+        self._cap = 0  # bytes the open window's storage grows to by doubling: its blocks in the last step
         self._windows: Dict[int, _Window] = {}
         self._real: List[np.ndarray] = []  # per segment, its blocks' entries (this step)
         self._work: Dict[int, _Rows] = {}  # the first n rows of the buffer, per n
-        self._zeroed = 0  # rows of the open window zeroed when it was entered
         self._rows_of: Dict[Tuple[int, int], _StatRows] = {}
         self._last_blocks = 0  # the last step's: this step's rows are made that size
-        self._stale = False  # the buffer grew this step: earlier segments' targets are in the old one
 
     # -- the step ---------------------------------------------------------------------------
     def begin(self) -> None:
@@ -110,10 +119,11 @@ class Stash:
         self._cursor += 1
         self.blocks = segment.first + segment.blocks
         self._real.append(segment.real)
-        for window, target, begin, length, whole in segment.pieces:
+        for window, target, begin, length, whole, end in segment.pieces:
             if window != self._open:
                 self._flush()
                 self._enter(window)
+            self._hold(end)
             target.copy_(sample if whole else sample.reshape(-1).narrow(0, begin, length))
 
     def settle(self) -> bool:
@@ -128,7 +138,6 @@ class Stash:
         numels = [s.numel for s in self._segments]
         if self.layout is None or list(self.layout.numel) != numels:
             self.layout = Layout(numels, None)  # host arrays only (segment, real, sums)
-        self._fit_buffer()
         return True
 
     def result(self) -> torch.Tensor:
@@ -153,75 +162,52 @@ class Stash:
         if i == 0:  # the window on the first sample's device (a later one on another is copied across)
             size = self._window_blocks()
             if self._buffer is None or self._buffer.device != device or self._window_size != size:
-                self._new_buffer(size, min(size, self._last_blocks or 1), device)
+                self._new_buffer(size, device)
                 self.stats = None
-            regrow_(self._buffer)
         device = self._buffer.device
         if i < len(self._segments) and self._segments[i].name == name and self._segments[i].shape == shape:
             return self._segments[i]
         del self._segments[i:]  # the last step's layout holds no longer from here
         first = self.blocks
-        rows = self._buffer.numel() // BLOCK
-        need = first + -(-math.prod(shape) // BLOCK)
-        if rows < self._window_size and need > rows:  # more than the buffer holds: double it
-            self._grow_buffer(min(self._window_size, max(need, 2 * rows)))
         segment = _Segment(name, shape, first, self._pieces(first, shape))
         self._segments.append(segment)
         self._ensure_capacity(first + segment.blocks, device)
         return segment
 
-    def _new_buffer(self, size: int, rows: int, device: torch.device) -> None:
-        self._buffer = torch.empty(rows * BLOCK, dtype=torch.float32, device=device)
+    def _new_buffer(self, size: int, device: torch.device) -> None:
+        self._buffer = torch.empty(0, dtype=torch.float32, device=device)  # no bytes until samples arrive
         self._arange = torch.arange(BLOCK, dtype=torch.float32, device=device).view(1, BLOCK)
         self._window_size, self._segments, self._windows, self._work = size, [], {}, {}
 
-    def _grow_buffer(self, rows: int) -> None:
-        """More samples than the buffer holds (a first step, or more than the last step's): a
-        buffer of ``rows`` (at most a window) with the open window's rows so far; the step's
-        earlier segments get targets in it again in ``_fit_buffer``."""
-        old, used = self._buffer, self.blocks - max(self._open, 0) * self._window_size
-        self._buffer = torch.empty(rows * BLOCK, dtype=torch.float32, device=old.device)
-        if self._open >= 0 and used > 0:
-            self._buffer[: used * BLOCK].copy_(old[: used * BLOCK])
-        # The earlier segments are written (a growth lays out a new segment, and the last
-        # step's from here on were dropped): their targets go, so that the old buffer is freed
-        # now, not held with every larger one until ``_fit_buffer`` lays them out again.
-        self._drop_targets()
-        self._stale = True
+    def _hold(self, entries: int) -> None:
+        """The storage grown to hold the open window's first ``entries`` (doubling up to the
+        window's blocks in the last step, ``_cap``): resized in place, so every view stays."""
+        storage = self._buffer.untyped_storage()
+        need, have = entries * self._buffer.element_size(), storage.nbytes()
+        if have < need:
+            storage.resize_(max(need, min(self._cap, 2 * have)))
 
-    def _fit_buffer(self) -> None:
-        """After a step: a buffer of as many rows as its samples (at most a window), and every
-        segment's targets in it, so that the next step that delivers the same samples takes
-        what they need and reuses every view."""
-        rows = min(self._window_size, self._last_blocks)
-        if rows and (self._stale or self._buffer.numel() != rows * BLOCK):
-            self._drop_targets()
-            if self._buffer.numel() != rows * BLOCK:  # the old one goes before the new one comes
-                device, self._buffer = self._buffer.device, None
-                self._buffer = torch.empty(rows * BLOCK, dtype=torch.float32, device=device)
-            for segment in self._segments:
-                segment.pieces = self._pieces(segment.first, segment.shape)
-        self._stale = False
-
-    def _drop_targets(self) -> None:
-        """Every view into the buffer let go (the segments' targets, the work rows), so that
-        replacing the buffer frees it."""
-        self._work = {}
-        for segment in self._segments:
-            segment.pieces = None
+    def _base(self, entries: int) -> torch.Tensor:
+        """The buffer as a tensor of at least ``entries``, to make views of (a view is checked
+        against the storage when it is made, not when the storage is resized later)."""
+        self._hold(entries)
+        storage = self._buffer.untyped_storage()
+        if self._buffer.numel() < entries:
+            self._buffer.set_(storage, 0, (storage.nbytes() // self._buffer.element_size(),), (1,))
+        return self._buffer
 
     def _pieces(self, first: int, shape: Tuple[int, ...]) -> list:
         numel, size = math.prod(shape), self._window_size
         count = -(-numel // BLOCK)
-        flat = self._buffer
         pieces = []
         for window in range(first // size, (first + count - 1) // size + 1 if count else first // size):
             lo, hi = max(first, window * size), min(first + count, (window + 1) * size)
             begin = (lo - first) * BLOCK
             length = min(numel - begin, (hi - lo) * BLOCK)
             whole = begin == 0 and length == numel
-            target = flat.narrow(0, (lo - window * size) * BLOCK, length)
-            pieces.append((window, target.view(shape) if whole else target, begin, length, whole))
+            end = (hi - window * size) * BLOCK
+            target = self._base(end).narrow(0, (lo - window * size) * BLOCK, length)
+            pieces.append((window, target.view(shape) if whole else target, begin, length, whole, end))
         return pieces
 
     def _ensure_capacity(self, blocks: int, device: torch.device) -> None:
@@ -238,19 +224,18 @@ class Stash:
 
     # -- reducing a window ------------------------------------------------------------------
     def _enter(self, w: int) -> None:
-        """The samples move on to window ``w``: where the last step's blocks there are known,
-        its rows are zeroed now (one pass over memory the samples then fill), so that the pads
-        of its partial blocks read zero."""
+        """The samples move on to window ``w``: the last window's samples are reduced, so its
+        storage goes, and this one's grows as they come, up to its blocks in the last step."""
+        release_(self._buffer)
         self._open = w
         known = self._windows.get(w)
-        self._zeroed = len(known.real) if known is not None else 0
-        if self._zeroed:
-            self._work_rows(self._zeroed).flat.zero_()
+        rows = len(known.real) if known is not None else self._window_size
+        self._cap = rows * BLOCK * self._buffer.element_size()
 
     def _work_rows(self, rows: int) -> _Rows:
         work = self._work.get(rows)
         if work is None:
-            work = self._work[rows] = _Rows(self._buffer.view(-1, BLOCK)[:rows])
+            work = self._work[rows] = _Rows(self._base(rows * BLOCK).narrow(0, 0, rows * BLOCK).view(rows, BLOCK))
         return work
 
     def _flush(self) -> None:
@@ -266,9 +251,7 @@ class Stash:
         work = self._work_rows(stop - start)
         if window is None or not np.array_equal(window.real, real):
             window = self._windows[w] = _Window(real, self._arange)
-            zero_pads_(work, window)  # laid out anew: the pads of its partial blocks (never written)
-        elif self._zeroed != stop - start:
-            zero_pads_(work, window)
+        zero_pads_(work, window)  # the pads of its partial blocks: never written, in memory just grown
         self._reduce(work, window, self._rows(start, stop))
 
     def _rows(self, start: int, stop: int) -> _StatRows:
