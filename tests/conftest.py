@@ -74,6 +74,7 @@ def multirun(sweep_dir: Path, *overrides: str, timeout: float = 300) -> subproce
 
 
 SWEEP = ["experiment=simsiam_baseline,simsiam_nostopgrad", "scale=tiny", "threads=1"]
+TWO_JOBS = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]  # one run per core of a 2-core machine
 
 
 @pytest.fixture(scope="session")
@@ -81,7 +82,7 @@ def joblib_sweep(tmp_path_factory) -> Path:
     """2 experiments x 2 seeds on the joblib launcher, 2 jobs at once (shared by the sweep,
     compare and report tests; treat it as read-only)."""
     sweep = tmp_path_factory.mktemp("joblib") / "sweep"
-    multirun(sweep, *SWEEP, "seed=0,1", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2")
+    multirun(sweep, *SWEEP, "seed=0,1", *TWO_JOBS)
     return sweep
 
 
@@ -89,11 +90,11 @@ def joblib_sweep(tmp_path_factory) -> Path:
 def tiny_runs(tmp_path_factory) -> Dict[str, Path]:
     """Every experiment at scale=tiny in one multirun of the real CLI, as {experiment name:
     run folder}, on the joblib launcher: two runs at a time with a thread each, one per core
-    of a 2-core CI machine (the same verdicts as one process running them in turn, which took
-    a third longer). Shared by every test that needs a finished run."""
+    of a 2-core CI machine (the same verdicts as one process running them in turn). Shared by
+    every test that needs a finished run."""
     sweep = tmp_path_factory.mktemp("tiny_sweep")
-    multirun(sweep, f"experiment={','.join(experiment_names())}", "scale=tiny", "threads=1",
-             "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", timeout=1800)
+    multirun(sweep, f"experiment={','.join(experiment_names())}", "scale=tiny", "threads=1", *TWO_JOBS,
+             timeout=1800)
     found = {}
     for summary in sweep.rglob("summary.json"):
         if "references" in summary.relative_to(sweep).parts:
