@@ -18,7 +18,9 @@ from gradrepro.analysis.report import DEFAULT_SEEDS
 
 
 def empirical_failures():
-    return [e for e in experiment_names() if composed(e).control and composed(e).claim_kind == "empirical"]
+    """Failures whose evidence is a measurement (a paper's, or an observation of ours)."""
+    return [e for e in experiment_names()
+            if composed(e).control and composed(e).claim_kind in ("empirical", "observation")]
 
 
 @pytest.mark.slow

@@ -87,8 +87,10 @@ def evidence_section(runs: Sequence[Run], tables: Dict[str, pd.DataFrame], sourc
         "An **empirical** claim (a paper's measured result) is REPRODUCED when every evidence check held: "
         "each is a measurement that could have come out either way. A **mechanism** (a documented "
         "behaviour of PyTorch, of a bug or of a derivation) is DEMONSTRATED by its symptom in the records "
-        "and the detector that names it: no run of it could have refuted anything. A check that reads a "
-        "config knob back is context.", "",
+        "and the detector that names it: no run of it could have refuted anything. An **observation** of "
+        "ours (a measurement no paper published and no documentation states) is OBSERVED when every "
+        "evidence check held: a measurement that could have come out either way, with nothing published "
+        "behind it. A check that reads a config knob back is context.", "",
         *counts_sentences(runs), "",
         "### Each failure's checks against its control, over the seeds", "",
         "Every check of a failure's signature on the failure and on its control (the control answers with "

@@ -313,7 +313,7 @@ def _report_main(args: argparse.Namespace) -> int:
             "Measured values are the mean ± std over seeds of each check's observed value; "
             "'check passed' counts the seeds where that check held; 'signature held' counts "
             "the seeds where every evidence check of the experiment held (REPRODUCED for an empirical "
-            "claim, DEMONSTRATED for a mechanism). Paper values are references "
+            "claim, DEMONSTRATED for a mechanism, OBSERVED for an observation of ours). Paper values are references "
             "from the cited papers (often at a far larger scale), never measured here."
             if any(run.summary.get("checks") for run in runs)
             else "No run read has a signature (checks): there is no table of claims.",

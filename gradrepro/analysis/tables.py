@@ -300,7 +300,7 @@ def for_reading(df: pd.DataFrame) -> pd.DataFrame:
 TITLES = {
     "runs": "Runs",
     "groups": "Groups (mean ± std over seeds; reproduced = seeds whose signature held: REPRODUCED for an "
-    "empirical claim, DEMONSTRATED for a mechanism)",
+    "empirical claim, DEMONSTRATED for a mechanism, OBSERVED for an observation of ours)",
     "pairs": "Ablation vs control (the ablation's checks evaluated on both; "
     "control reproduced should be 0/n)",
     "checks": "Checks (each ablation's checks on it and on its control, per seed, the control with its own "

@@ -169,7 +169,8 @@ class Config:
     control: Optional[str] = None  # the experiment this one is compared to
     claim: str = ""  # one line: what the run should show
     # What the verdict proves (records/summary_schema.py, CLAIM_KINDS): empirical (a paper's
-    # measured result: REPRODUCED) or mechanism (a documented behaviour: DEMONSTRATED).
+    # measured result: REPRODUCED), mechanism (a documented behaviour: DEMONSTRATED) or
+    # observation (our own measurement, with no published one behind it: OBSERVED).
     claim_kind: Optional[str] = None
     citation: str = ""  # where the claim comes from, short: "Chen & He 2021, Sec. 4.1, Fig. 2"
     page: Optional[str] = None  # the experiment's page: experiments/NAME.md

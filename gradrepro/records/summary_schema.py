@@ -16,8 +16,10 @@ OPS = ("<=", "<", ">=", ">")
 # What a verdict proves. empirical: a paper's measured result, REPRODUCED by a measurement that
 # could have come out either way. mechanism: a documented behaviour (of PyTorch, of a bug, of a
 # derivation), DEMONSTRATED by its symptom in the records and, where one exists, the detector
-# that names it.
-CLAIM_KINDS = ("empirical", "mechanism")
+# that names it. observation: a measurement of our own that no paper published and no
+# documentation states (its config says no published measurement exists), OBSERVED by a
+# measurement that could have come out either way; nothing outside this repository is reproduced.
+CLAIM_KINDS = ("empirical", "mechanism", "observation")
 # Counts and indices in a summary are 64-bit at most (steps, seeds, stopped_at).
 _MAX_INT = 2**63 - 1
 _MAX_TEXT = 100_000

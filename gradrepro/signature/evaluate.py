@@ -169,11 +169,14 @@ def decide(results: List[CheckResult]) -> bool:
 
 
 # The verdict's word by claim kind (held, not held): a measurement reproduces a paper's result;
-# a symptom demonstrates a mechanism, which no run of ours could refute.
-VERDICT_WORDS = {"empirical": ("REPRODUCED", "not reproduced"), "mechanism": ("DEMONSTRATED", "not demonstrated")}
+# a symptom demonstrates a mechanism, which no run of ours could refute; a measurement of our own,
+# with nothing published to reproduce, is observed.
+VERDICT_WORDS = {"empirical": ("REPRODUCED", "not reproduced"), "mechanism": ("DEMONSTRATED", "not demonstrated"),
+                 "observation": ("OBSERVED", "not observed")}
 # What each kind's verdict is about, printed beside it.
 KIND_NOTES = {"empirical": "an empirical claim: a published measurement, measured again",
-              "mechanism": "a mechanism: its symptom in the records, not a measurement of a paper's result"}
+              "mechanism": "a mechanism: its symptom in the records, not a measurement of a paper's result",
+              "observation": "an observation of ours: our own measurement, no published measurement behind it"}
 assert set(VERDICT_WORDS) == set(KIND_NOTES) == set(CLAIM_KINDS)
 
 
