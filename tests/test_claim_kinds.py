@@ -62,7 +62,8 @@ def test_the_verdict_word_follows_the_claim_kind(kind, held, not_held):
 
 def test_an_experiment_without_a_claim_kind_is_refused_in_one_line():
     cfg = compose_config(["experiment=bn_none", "claim_kind=null"])
-    with pytest.raises(UserError, match="claim_kind=None is not valid; choose one of: empirical, mechanism, observation"):
+    refused = "claim_kind=None is not valid; choose one of: empirical, mechanism, observation"
+    with pytest.raises(UserError, match=refused):
         validate(cfg)
     with pytest.raises(UserError, match="claim_kind='measured' is not valid"):
         validate(compose_config(["experiment=bn_none", "claim_kind=measured"]))
