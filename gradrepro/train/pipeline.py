@@ -39,6 +39,7 @@ from gradrepro.signature import evaluate, format_verdict
 from gradrepro.train.distributed import run_processes, starts_processes
 from gradrepro.train.finish import Outcome, RunState, full_summary
 from gradrepro.train.loop import train_steps
+from gradrepro.train.page_note import not_held_note
 from gradrepro.train.session import StopRequest, resolve_device, seed_everything
 
 log = logging.getLogger(__name__)
@@ -203,6 +204,8 @@ def _print_result(cfg: DictConfig, t: Training, verdict: Any, outcome: Outcome, 
         print(f"{cfg.name}: interrupted ({summary.get('signal')}); no verdict")
     else:
         print(format_verdict(verdict, cfg.name, cfg.claim_kind))
+        if verdict is not None and not verdict.reproduced and cfg.page:  # where to read why
+            print(not_held_note(cfg.name, cfg.page))
     if t.device_mismatch is not None:
         m = t.device_mismatch
         print(f"device mismatch at the first forward pass: {', '.join(m.tensors)} stayed on "
