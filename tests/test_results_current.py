@@ -13,7 +13,9 @@ import re
 import pandas as pd
 from conftest import ROOT, composed, experiment_names
 
+from gradrepro.analysis.catalog import BEGIN, END
 from gradrepro.analysis.evidence_report import recorded_hash
+from gradrepro.analysis.reference_table import signature_held
 from gradrepro.records.provenance import source_hash
 
 RESULTS = ROOT / "results" / "README.md"
@@ -83,3 +85,12 @@ def test_each_listed_non_reproduction_misses_in_the_table_and_its_page_says_so()
         assert not all(_flips(r) for r in own), f"{name} flips on every seed now: take it off the list"
         text = (ROOT / page).read_text()
         assert name in text and "not reproduced" in text.lower(), f"{page} does not report {name} not reproducing"
+
+
+def test_the_readme_names_beside_the_claims_each_failure_that_did_not_hold_on_every_seed():
+    held = signature_held(RESULTS)
+    assert set(held) == set(experiment_names()), "the table of every check lost an experiment"
+    block = (ROOT / "README.md").read_text().split(BEGIN, 1)[1].split(END, 1)[0]
+    said = block.split("Failures whose signature did not hold on every seed:", 1)[1].split(".", 1)[0]
+    for name in NOT_REPRODUCED_ON_THE_REPORT_SEEDS:
+        assert f"`{name}` ({held[name]})" in said, f"README.md does not name {name} beside the claims"

@@ -7,6 +7,10 @@ outside those groups (``objective.stop_gradient=False``). Identity (name, claim)
 verdict's own definition (signature, references, paper) and display (key_scalar, page,
 citation) are not knobs.
 
+Beside each claim, ``held here``: on how many of the committed reference table's seeds
+(``results/README.md``) the experiment's signature held, and under the table the failures and
+controls for which it did not hold on every seed, by name.
+
 ``python -m gradrepro.analysis.catalog`` prints the table; ``--write README.md`` replaces the
 table between the README's markers.
 """
@@ -21,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from gradrepro.analysis.reference_table import report_seeds, signature_held
 from gradrepro.config.compose import composer, group_options_recursive
 from gradrepro.records.files import atomic_write
 
@@ -68,6 +73,7 @@ def catalog() -> pd.DataFrame:
         configs = {name: _plain(compose([f"experiment={name}"], return_hydra_config=True))
                    for name in group_options_recursive("experiment")}
     by_name = {cfg["name"]: option for option, cfg in configs.items()}
+    held = signature_held()
     rows = []
     for option, cfg in configs.items():
         if cfg["control"] is None:
@@ -77,6 +83,7 @@ def catalog() -> pd.DataFrame:
             "experiment": f"`{option}`",
             "control": f"`{by_name[cfg['control']]}`",
             "claim": cfg["claim_kind"],
+            "held here": held.get(option, "not in results/README.md"),
             "the one knob": ", ".join(f"`{k}`" for k in knob(cfg, control)),
             "source": cfg["citation"],
             "page": f"[{cfg['page']}]({cfg['page']})" if cfg["page"] else "",
@@ -84,9 +91,36 @@ def catalog() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _not_every_seed(names: Sequence[str], held: Dict[str, str]) -> List[str]:
+    out = []
+    for name in names:
+        done, _, total = held.get(name, "").partition("/")
+        if done != total:
+            out.append(f"`{name}` ({held.get(name, 'not in the table')})")
+    return out
+
+
+def held_sentence(table: pd.DataFrame) -> str:
+    """Which failures, and which of their controls, did not hold on every seed of the reference table."""
+    held = signature_held()
+    if not held:
+        return "`results/README.md` has no table of every check: nothing is said here of what reproduced."
+    failures = [e.strip("`") for e in table["experiment"]]
+    controls = sorted({c.strip("`") for c in table["control"]})
+    missed, missed_controls = _not_every_seed(failures, held), _not_every_seed(controls, held)
+    said = (f"`held here`: on how many of the reference table's seeds (`results/README.md`, seeds "
+            f"{report_seeds() or 'as its header says'}) the experiment's signature held. ")
+    said += (f"Failures whose signature did not hold on every seed: {', '.join(missed)}. " if missed
+             else "Every failure's signature held on every seed. ")
+    said += (f"Controls whose own signature did not hold on every seed: {', '.join(missed_controls)}."
+             if missed_controls else "Every control's own signature held on every seed.")
+    return said
+
+
 def block() -> str:
-    """The README's table, between its markers."""
-    return f"{BEGIN}\n\n{catalog().to_markdown(index=False)}\n\n{END}"
+    """The README's table, between its markers, and what did not hold on every seed."""
+    table = catalog()
+    return f"{BEGIN}\n\n{table.to_markdown(index=False)}\n\n{held_sentence(table)}\n\n{END}"
 
 
 def replace_block(text: str, new_block: str) -> str:
