@@ -10,6 +10,7 @@ import pytest
 from conftest import compose_config, experiment_names, run_module
 
 from gradrepro.analysis.evidence_report import recorded_hash
+from gradrepro.analysis.report_header import held_words
 from gradrepro.records.provenance import source_hash
 
 
@@ -64,6 +65,10 @@ def test_report_from_a_sweep_has_one_row_per_claim_and_a_figure_per_experiment(
     for name in expected:
         assert (tmp_path / "figures" / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
         assert f"](figures/{name}.png)" in text
+        # Beside the claim, what its signature did here, as the table of every check counts it.
+        held, n = next(r for r in rows if r.startswith(f"| {name} ")).split("/2 seeds")[0].rsplit("|", 1)[1].strip(), 2
+        section = text.split(f"### {name}\n", 1)[1].split("\n### ", 1)[0]
+        assert held_words("empirical", int(held), n, ["0", "1"]) in section
     # What the verdicts prove: the claim kinds, the margins of the pair, the judging code's hash.
     assert recorded_hash(text) == source_hash()
     proof = text.split("## What the verdicts prove")[1].split("## Every check, over the seeds")[0]
@@ -110,3 +115,10 @@ def test_quick_report_runs_the_sweep_and_writes_the_readme(tmp_path):
         "simsiam_baseline.png",
         "simsiam_nostopgrad.png",
     }
+
+
+def test_the_words_beside_a_claim_say_what_held_on_how_many_seeds():
+    assert held_words("empirical", 1, 2, ["100", "101"]) == (
+        "Here: REPRODUCED on 1 of 2 seeds (100, 101); not reproduced on the other 1.")
+    assert held_words("mechanism", 2, 2, ["100", "101"]) == "Here: DEMONSTRATED on all 2 seeds (100, 101)."
+    assert held_words("observation", 0, 2, ["100", "101"]) == "Here: not observed on any of the 2 seeds (100, 101)."

@@ -44,6 +44,7 @@ from gradrepro.analysis.report_header import (
     claim_sentence,
     commits_sentence,
     control_sentence,
+    here_sentence,
     runs_sentence,
     scale_of,
 )
@@ -190,7 +191,8 @@ def write_report(
     for name in sorted(figures):
         run = next(r for r in runs if r.experiment == name)
         paper = run.summary.get("paper") or {}
-        lines += [f"### {name}", "", f"{claim_sentence(run)} {control_sentence(name, runs)}", ""]
+        here = here_sentence(name, runs, runs_df)  # beside the claim: what its signature did here
+        lines += [f"### {name}", "", f"{claim_sentence(run)} {control_sentence(name, runs)} {here}".rstrip(), ""]
         lines += [f"- {k}: {v}" for k, v in paper.items()] + [""]
         lines += [f"![{name}](figures/{figures[name].name})", ""]
     lines += [

@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Sequence
 import pandas as pd
 
 from gradrepro.records.reader import Run
+from gradrepro.signature import verdict_word
 
 
 def _seed_sentence(runs_df: pd.DataFrame) -> str:
@@ -54,6 +55,31 @@ def control_sentence(name: str, runs: Sequence[Run]) -> str:
     if ablations:
         return f"The control of {', '.join(f'`{a}`' for a in ablations)}."
     return "No control."
+
+
+def held_words(kind: Optional[str], held: int, n: int, seeds: Sequence[str]) -> str:
+    """What the signature did here, said beside the claim: ``Here: REPRODUCED on 1 of 2 seeds
+    (100, 101); not reproduced on the other 1.``"""
+    word, not_word = verdict_word(True, kind), verdict_word(False, kind)
+    on = f"({', '.join(map(str, seeds))})" if seeds else "(seeds not recorded)"
+    if n == 0:
+        return "Here: no run completed."
+    if held == n:
+        return f"Here: {word} on all {n} seeds {on}."
+    if held == 0:
+        return f"Here: {not_word} on any of the {n} seeds {on}."
+    return f"Here: {word} on {held} of {n} seeds {on}; {not_word} on the other {n - held}."
+
+
+def here_sentence(name: str, runs: Sequence[Run], runs_df: pd.DataFrame) -> str:
+    """``held_words`` for one experiment, from its completed runs."""
+    own = next(r for r in runs if r.experiment == name)
+    if own.summary.get("recorded_by"):
+        return ""
+    group = runs_df[runs_df["experiment"] == name]
+    done = group[group["complete"].astype(bool)]
+    seeds = sorted({str(s) for s in done["seed"] if s is not None and s == s}, key=lambda s: (len(s), s))
+    return held_words(own.summary.get("claim_kind"), int(done["reproduced"].astype(bool).sum()), len(done), seeds)
 
 
 def claim_sentence(run: Run) -> str:
