@@ -67,10 +67,12 @@ def reference_tables() -> Tuple[pd.DataFrame, pd.DataFrame]:
 
 def page_quotes(text: str) -> Optional[pd.DataFrame]:
     """The page's marked quotes table, or None when it quotes nothing."""
-    if BEGIN not in text:
+    lines = text.splitlines()
+    if BEGIN not in lines:  # the marker on a line of its own (a page may name it in its prose)
         return None
-    assert END in text, f"a quotes table opens with {BEGIN!r} and has no {END!r}"
-    table = markdown_table(_section(text, BEGIN, END))
+    start = lines.index(BEGIN)
+    assert END in lines[start:], f"a quotes table opens with {BEGIN!r} and has no {END!r}"
+    table = markdown_table(lines[start + 1:start + lines[start:].index(END)])
     table["experiment"] = table["experiment"].str.strip("`")
     return table
 
