@@ -282,3 +282,61 @@ def test_on_finding_raise_stops_at_an_invariant(tmp_path):
     with pytest.raises(FindingError) as err:
         _train(tmp_path, model, opt, micro=2, reset=lambda step, i: opt.zero_grad(), on_finding="raise")
     assert err.value.findings[0].kind == "grad_reset_in_step"
+
+
+# -- the update rule, live ------------------------------------------------------------------------------
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "sgd_nesterov_wd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "sgd_dampening_maximize": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5, dampening=0.3, maximize=True),
+    "adam_wd": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-2),
+    "adamw_amsgrad": lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True),
+    "adamw_foreach_off": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_updates_as_the_rule_predicts_are_silent(tmp_path, name):
+    model = _mlp()
+    _, found, _ = _train(tmp_path, model, OPTIMIZERS[name](model.parameters()), every=1, steps=6)
+    assert found == set()
+
+
+def test_a_gradient_changed_inside_the_step_is_an_update_mismatch(tmp_path):
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with gradrepro.record(model, opt, tmp_path / "run", every=2, activations=False, on_finding="log") as rec:
+        # a pre-hook added after the recorder's: the step uses another gradient than the one it was given
+        def flip(*_):
+            for p in model[0].parameters():
+                p.grad.mul_(-1.0)
+        opt.register_step_pre_hook(flip)
+        for _ in range(4):
+            opt.zero_grad()
+            x, y = _data()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    kinds = {(f.kind, f.step) for f in rec.live.found}
+    assert ("update_mismatch", 0) in kinds
+    finding = next(f for f in rec.live.found if f.kind == "update_mismatch")
+    assert finding.evidence["tensors_mismatched"] == 2 and finding.name == "0.weight"
+
+
+@pytest.mark.parametrize("zero_d", [False, True])
+def test_a_step_with_no_backward_from_a_reset_gradient_is_stale(tmp_path, zero_d):
+    """A second loss writes the recorded model's .grad between its steps (a generator's pass
+    through a discriminator): the discriminator's step is stale only if nothing resets it."""
+    torch.manual_seed(0)
+    gen, disc = nn.Linear(4, 6), _mlp()
+    opt_g, opt_d = torch.optim.SGD(gen.parameters(), lr=0.1), torch.optim.SGD(disc.parameters(), lr=0.1)
+    with gradrepro.record(disc, opt_d, tmp_path / "run", every=4, activations=False, on_finding="log") as rec:
+        for _ in range(9):
+            fake = gen(torch.randn(8, 4))
+            if zero_d:
+                opt_d.zero_grad()
+            (disc(torch.randn(8, 6)).logsumexp(1).mean() - disc(fake.detach()).logsumexp(1).mean()).backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            disc(fake).logsumexp(1).mean().backward()
+            opt_g.step()
+    assert {(f.kind, f.step) for f in rec.live.found} == (set() if zero_d else {("stale_gradient", 4)})

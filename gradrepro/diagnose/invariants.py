@@ -177,10 +177,16 @@ class StepInvariants:
                 keep[self.prints.bounds[i]:self.prints.bounds[i + 1]] = True
             self._frozen_mask = torch.from_numpy(keep).to(self.prints.views[0].device) if keep.any() else None
 
+    def _differ(self, a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``Fingerprints.differ``, or None at once where the two are equal (on CPU: one call)."""
+        if self.eager and a is not None and b is not None and a.shape == b.shape and torch.equal(a, b):
+            return None
+        return Fingerprints.differ(a, b)
+
     def step_begins(self, step: int) -> None:
         if self._after is not None:
             now = self.prints.sample()
-            mask = Fingerprints.differ(self._after, now)
+            mask = self._differ(self._after, now)
             if mask is not None:
                 self._pending.append((step, "between", mask))
             self._after = None
@@ -192,7 +198,7 @@ class StepInvariants:
     def after_step(self, step: int) -> None:
         self._after = self.prints.sample()
         if self._before is not None:
-            mask = Fingerprints.differ(self._before, self._after)
+            mask = self._differ(self._before, self._after)
             if mask is not None and mask.shape == self._frozen_mask.shape:
                 self._pending.append((step, "during", mask & self._frozen_mask))
         self._before = None
@@ -252,10 +258,19 @@ class BackwardTrail:
         self._last: Optional[dict] = None  # the last backward of this step: fresh, marks, fingerprint
         self._fresh = False
         self._stopped = False
+        self._passes, self._any_fresh, self._carried = 0, False, 0.0  # carried: the first pass's start
         self.found: list[Hit] = []
 
     def stop(self) -> None:
-        """optimizer.step() began: backward passes inside it (a closure) are the optimizer's."""
+        """optimizer.step() began: backward passes inside it (a closure) are the optimizer's. A
+        step none of whose backward passes started from a reset gradient sums the last step's
+        into its own (however other losses wrote .grad in between: a GAN's generator pass)."""
+        if not self._stopped and self._passes and not self._any_fresh and self._carried > 0:
+            self.found.append(("stale_gradient", "<model>", (
+                f"none of this step's {self._passes} backward pass(es) started from a reset gradient: the first "
+                f"began on .grad holding {self._carried:.4g} (norm over the model) from before the step, so the step "
+                "uses the previous step's gradient summed into its own (no zero_grad() at the step boundary)"),
+                {"backward_passes": self._passes, "carried_norm": self._carried}))
         self._stopped = True
 
     def _norms(self) -> tuple[list[int], np.ndarray]:
@@ -271,6 +286,10 @@ class BackwardTrail:
             return
         idx, norms = self._norms()
         self._fresh = not np.any(norms != 0)
+        if not self._passes:
+            self._carried = float(np.sqrt(np.sum(np.nan_to_num(norms.astype(np.float64), nan=1.0) ** 2)))
+        self._passes += 1
+        self._any_fresh |= self._fresh
         last = self._last
         if last is None or not last["fresh"] or not self._fresh or not last["left"]:
             return

@@ -9,7 +9,10 @@ A finding goes to Python's ``warnings`` (category ``TrainingFinding``; ``on_find
 the ``gradrepro.diagnose.live`` logger instead), to ``findings.json`` in the run folder
 (written atomically when it appears) and to ``rec.findings()``.
 
-Cost: nothing on a step that is not logged. On a logged step, besides the probe's own work:
+The invariants of a training step (``diagnose.invariants``: weights changed between steps,
+frozen tensors that move, gradients reset inside a step; ``diagnose.rule_check``: the update
+against its rule) are wired in here. Cost: on a step that is not logged, the fingerprints
+alone (``invariants``). On a logged step, besides the probe's own work:
 identity sets of the optimizer's and the model's tensors, one pass over the mode-sensitive
 modules, a copy of each frozen BatchNorm's running mean, a forward hook on the model and a
 gradient hook on its output, where a few multi-tensor operations (a difference and norms)
@@ -34,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 from gradrepro.diagnose import invariants
 from gradrepro.diagnose import live_checks as checks
 from gradrepro.diagnose.report import ERROR, NEXT_CHECK, WARNING, Finding
+from gradrepro.diagnose.rule_check import UpdateRuleCheck
 from gradrepro.errors import UserError
 from gradrepro.probe.shards import local
 from gradrepro.records.files import write_json
@@ -48,7 +52,8 @@ KINDS: dict[str, str] = {
     "no_gradient": ERROR, "grad_modified": ERROR, "nonfinite_gradient": ERROR, "stale_gradient": ERROR,
     "eval_mode": WARNING, "frozen_norm_drift": WARNING, "loss_scale_backoff": ERROR,
 }
-KINDS.update(invariants.KINDS)  # the step's invariants (diagnose.invariants)
+KINDS.update(invariants.KINDS)  # the step's invariants (diagnose.invariants, diagnose.rule_check)
+KINDS["update_mismatch"] = WARNING
 NEXT_CHECK.update(invariants.NEXT_CHECK)
 # GradScaler halves its scale on every step with an overflow (torch.amp.GradScaler docs,
 # backoff_factor=0.5). Below a scale of 1 it shrinks the gradients instead of amplifying
@@ -111,6 +116,7 @@ class LiveChecks:
         self._sensitive += invariants.training_readers(model, self._sensitive)
         self.invariants = invariants.StepInvariants(probe.names, probe.params, optimizer)
         self.trail = invariants.BackwardTrail(probe.names, probe.params, self.invariants.prints)
+        self.rule = UpdateRuleCheck(probe.names, probe.params, self.invariants.prints, optimizer)
         self._hits: list[checks.Hit] = []  # found before the step, reported after it
         self._watched: list[tuple[str, nn.Module]] = []
         self._means: list[torch.Tensor] = []
@@ -169,6 +175,7 @@ class LiveChecks:
     def before_step(self) -> None:
         """The gradients are complete; the probe has not read them yet."""
         self.trail.stop()
+        self.rule.predict()
         self._hits += checks.membership_hits(self.model, self.optimizer)
         self._hits += checks.mode_hits(self.model, self._sensitive)
         self._hits += checks.drift_hits(self._watched, self._means)
@@ -176,7 +183,7 @@ class LiveChecks:
     def after_step(self, step: int, columns: Optional[dict]) -> None:
         """The step is taken: its columns are made. Reports what is new."""
         self.disarm()
-        hits, self._hits = self._hits + self.trail.found, []
+        hits, self._hits = self._hits + self.rule.compare(step), []
         if columns is not None:
             names, params = self.probe.names, self.probe.params
             end = self._host(self._end)
@@ -185,6 +192,8 @@ class LiveChecks:
                 idx, carried, diff = self._start
                 values = torch.stack([torch.stack(carried), torch.stack(diff)]).cpu().double().numpy()
                 hits += checks.stale_hits(names, zip(idx, values[0], values[1]))
+        kinds = {(h[0], h[1]) for h in hits}
+        hits += [h for h in self.trail.found if (h[0], h[1]) not in kinds]  # one finding of a kind and name
         if step == 0:  # a linear warm-up from 0 takes its first step at lr 0 by design
             hits = [h for h in hits if h[0] != "lr_zero"]
         self._report(step, hits)
