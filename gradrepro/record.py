@@ -100,7 +100,7 @@ class Recorder:
                               before_on=before_on)
             self.net = unwrap(model)  # DDP's and torch.compile's wrappers: the names of the model itself
             self.records = Records(self.run_dir)
-            self._bf16, self._on_finding, self._stopped = bf16, on_finding, False
+            self._bf16, self._on_finding, self._stopped, self._hooks = bf16, on_finding, False, hooks
             self.probe, self.combiner, self.live = None, None, None
             # Built now, or, where a lazy module creates its parameters in the first forward
             # pass (nn.LazyLinear), when that pass has created them (``_materialised``).
@@ -148,6 +148,10 @@ class Recorder:
         # findings reported at the logged step they appear (diagnose.live)
         self.live = (LiveChecks(self.model, self.optimizer, self.probe, self.scaler, self.run_dir, on_finding,
                                 silence) if live else None)
+        if self.live is not None and not self._hooks:
+            # Called by hand (or by Lightning, before its gradient clipping), before_step() need not be
+            # the moment right before the optimizer's step: the update rule is not checked.
+            self.live.rule.enabled = False
 
     # -- the recorder's own failures: one finding, recording stops, the loop goes on -----------
     def _guard(self, fn: Any, where: str, *args: Any) -> None:
