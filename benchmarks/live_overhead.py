@@ -6,6 +6,11 @@ thread (``time.thread_time``, robust to other processes' load). Prints per round
 the bare loop of the same round, then their median, minimum and maximum.
 
     python benchmarks/live_overhead.py [--every 16] [--rounds 7] [--steps 48] [--json OUT.json]
+    python benchmarks/live_overhead.py --unlogged [--steps 200]
+
+``--unlogged``: the live checks' own work on a step that is not logged (the fingerprints:
+``LiveChecks.each_begin``, ``each_before_step``, ``each_after_step``), timed alone on the same
+model against the bare step, median of ``--steps`` repetitions (CPU time of the thread).
 
 Run it on two checkouts (PYTHONPATH set to each) to compare before and after a change.
 """
@@ -42,16 +47,49 @@ def block(name: str, every: int, steps: int, data, folder: str) -> float:
     return spent
 
 
+def unlogged(steps: int, data) -> dict:
+    from torchvision.models import resnet18
+    torch.manual_seed(0)
+    model = resnet18(weights=None, num_classes=10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    bare = []
+    for i in range(20):
+        x, y = data[i % len(data)]
+        start = time.thread_time()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        bare.append(time.thread_time() - start)
+    with tempfile.TemporaryDirectory() as tmp:
+        rec = gradrepro.record(model, opt, f"{tmp}/run", every=10**6, on_finding="log", activations=False, hooks=False)
+        live, checks = rec.live, []
+        for step in range(1, steps + 1):
+            start = time.thread_time_ns()
+            live.each_begin(step, False)
+            live.each_before_step()
+            live.each_after_step(step, False)
+            checks.append((time.thread_time_ns() - start) / 1e9)
+        rec.close()
+    b, c = statistics.median(bare), statistics.median(checks)
+    print(f"bare step {b * 1e3:.2f} ms (CPU); live checks on an unlogged step {c * 1e6:.1f} us (CPU, median of "
+          f"{steps}): {c / b:.5f} of the step; {len(live.invariants.prints.params)} tensors")
+    return {"bare_step_s": b, "unlogged_checks_s": c, "ratio": c / b}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--every", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--json")
+    ap.add_argument("--unlogged", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     data = [(torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))) for _ in range(4)]
+    if args.unlogged:
+        unlogged(args.steps, data)
+        return
     names = ["bare", "record", "live"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -94,6 +94,7 @@ class Recorder:
         try:
             if self._writes:
                 ensure_writable_dir(self.run_dir)  # an unwritable folder is one line, before any step
+            _check_optimizer_of(model, optimizer)
             self.name = name or self.run_dir.resolve().name
             weight_decay = float(optimizer.param_groups[0].get("weight_decay", 0.0)) if optimizer else 0.0
             cfg = ProbeConfig(every=every, activations=activations, act_sample=act_sample, task_contribution=False,
@@ -458,6 +459,11 @@ def _check(model: Any, optimizer: Any, every: Any, steps: Any = None) -> None:
         raise UserError(f"steps={steps!r} must be the whole number of steps the loop takes (>= 1), or None")
     if not any(True for _ in model.parameters()):
         raise UserError(f"{type(model).__name__} has no registered parameters: nothing to record")
+
+
+def _check_optimizer_of(model: nn.Module, optimizer: Any) -> None:
+    """An optimizer none of whose tensors is the model's was built over another model (checked
+    after the folder's claim, so that a folder in use is said first)."""
     held = [p for g in getattr(optimizer, "param_groups", None) or [] for p in g.get("params", [])]
     mine = {id(p) for p in model.parameters()}
     if held and not any(id(p) in mine for p in held):
