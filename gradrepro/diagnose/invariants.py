@@ -136,7 +136,8 @@ class Fingerprints:
         m = mask.cpu().numpy()
         if not m.any():
             return []
-        counts = np.add.reduceat(m.astype(np.int64), self.bounds[:-1]) if len(m) else np.zeros(0)
+        summed = np.concatenate([[0], np.cumsum(m.astype(np.int64))])
+        counts = summed[self.bounds[1:]] - summed[self.bounds[:-1]]
         sizes = np.diff(self.bounds)
         return [i for i in range(len(self.params)) if sizes[i] and counts[i] > 0]
 
@@ -260,6 +261,10 @@ class BackwardTrail:
         self._stopped = False
         self._passes, self._any_fresh, self._carried = 0, False, 0.0  # carried: the first pass's start
         self.found: list[Hit] = []
+
+    def halt(self) -> None:
+        """Nothing more is judged this step (the trail itself failed)."""
+        self._stopped = True
 
     def stop(self) -> None:
         """optimizer.step() began: backward passes inside it (a closure) are the optimizer's. A

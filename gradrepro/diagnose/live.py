@@ -209,12 +209,21 @@ class LiveChecks:
         if first is not None:
             first.register_hook(self._backward_begins)
 
+    def _trail(self, moment: str) -> None:
+        """The backward trail's hook, which must never raise into the user's backward: a failure
+        stops it for the step and becomes a recorder_error finding."""
+        try:
+            getattr(self.trail, moment)()
+        except Exception as exc:  # noqa: BLE001 - inside autograd: reported, never raised
+            self.trail.halt()
+            self._hits.append(invariants.recorder_error_hit(exc, f"the backward hook ({moment})"))
+
     def _backward_begins(self, grad: torch.Tensor) -> None:
         """The gradient reached the model's output (first of its outputs in this backward):
         .grad holds what earlier backward passes left."""
         if self._in_backward:
             return None
-        self.trail.begins()
+        self._trail("begins")
         params, self._start = self.probe.params, None
         # Untouched since the step began: the same tensor (not set to None and rebuilt) at the
         # same version (not zeroed or written in place). Its difference from then is exactly 0.
@@ -233,7 +242,7 @@ class LiveChecks:
 
     def _backward_ends(self) -> None:
         self._in_backward = False
-        self.trail.ends()
+        self._trail("ends")
         idx = [i for i, p in enumerate(self.probe.params) if p.grad is not None]
         with torch.no_grad():
             self._end = (idx, list(torch._foreach_norm([p_grad(self.probe.params[i]) for i in idx]))) if idx else None
