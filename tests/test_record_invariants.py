@@ -340,3 +340,21 @@ def test_a_step_with_no_backward_from_a_reset_gradient_is_stale(tmp_path, zero_d
             disc(fake).logsumexp(1).mean().backward()
             opt_g.step()
     assert {(f.kind, f.step) for f in rec.live.found} == (set() if zero_d else {("stale_gradient", 4)})
+
+
+def test_steps_a_grad_scaler_skips_while_its_scale_settles_are_silent(tmp_path):
+    """A scale so large that the first backward passes overflow: the scaler skips those steps and
+    the loop zeroes their non-finite gradients, as it must."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=3.0e38)
+    with gradrepro.record(model, opt, tmp_path / "run", every=1, activations=False, scaler=scaler,
+                          on_finding="log") as rec:
+        for _ in range(8):
+            opt.zero_grad()
+            x, y = _data()
+            scaler.scale(F.cross_entropy(model(x), y) * 100).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert scaler.get_scale() < 3.0e38  # steps were skipped
+    assert rec.live.found == []

@@ -316,7 +316,9 @@ class BackwardTrail:
         if self._stopped:
             return
         idx, norms = self._norms()
-        left = [i for i, n in zip(idx, norms) if n != 0]
+        # A non-finite gradient is one no step can use (a GradScaler skips the step): dropping it
+        # before the next backward is what the loop must do.
+        left = [i for i, n in zip(idx, norms) if n != 0] if np.all(np.isfinite(norms)) else []
         self._last = {"fresh": self._fresh, "left": left,
                       "marks": {i: (weakref.ref(self.params[i].grad), self.params[i].grad._version) for i in left},
                       "print": self.prints.sample()}
