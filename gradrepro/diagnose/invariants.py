@@ -312,10 +312,15 @@ class BackwardTrail:
                 "weights unchanged; the step uses the last micro-batch's gradient alone"),
                 {"tensors_reset": len(reset)}))
 
-    def ends(self) -> None:
+    def ends(self, end: Optional[tuple] = None) -> None:
+        """A backward ended; ``end``: (indices, their gradients' norms) where the caller has them."""
         if self._stopped:
             return
-        idx, norms = self._norms()
+        if end is None:
+            idx, norms = self._norms()
+        else:
+            idx = end[0]
+            norms = torch.stack([n.float() for n in end[1]]).cpu().numpy() if idx else np.zeros(0)
         # A non-finite gradient is one no step can use (a GradScaler skips the step): dropping it
         # before the next backward is what the loop must do.
         left = [i for i, n in zip(idx, norms) if n != 0] if np.all(np.isfinite(norms)) else []

@@ -209,11 +209,11 @@ class LiveChecks:
         if first is not None:
             first.register_hook(self._backward_begins)
 
-    def _trail(self, moment: str) -> None:
+    def _trail(self, moment: str, *args: Any) -> None:
         """The backward trail's hook, which must never raise into the user's backward: a failure
         stops it for the step and becomes a recorder_error finding."""
         try:
-            getattr(self.trail, moment)()
+            getattr(self.trail, moment)(*args)
         except Exception as exc:  # noqa: BLE001 - inside autograd: reported, never raised
             self.trail.halt()
             self._hits.append(invariants.recorder_error_hit(exc, f"the backward hook ({moment})"))
@@ -242,10 +242,10 @@ class LiveChecks:
 
     def _backward_ends(self) -> None:
         self._in_backward = False
-        self._trail("ends")
         idx = [i for i, p in enumerate(self.probe.params) if p.grad is not None]
         with torch.no_grad():
             self._end = (idx, list(torch._foreach_norm([p_grad(self.probe.params[i]) for i in idx]))) if idx else None
+        self._trail("ends", self._end or ([], []))
 
     @staticmethod
     def _host(end: Optional[tuple]) -> Optional[dict[int, float]]:
