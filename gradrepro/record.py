@@ -39,13 +39,16 @@ import math
 import sys
 import time
 import types
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
-from gradrepro.diagnose.live import LiveChecks
+from gradrepro.diagnose.invariants import recorder_error_hit
+from gradrepro.diagnose.live import KINDS, FindingError, LiveChecks, LiveFinding, TrainingFinding, check_options
 from gradrepro.diagnose.over_steps import findings_over_steps
 from gradrepro.diagnose.report import INFO, Finding
 from gradrepro.diagnose.scaled_clip import clipped_while_scaled
@@ -91,21 +94,22 @@ class Recorder:
         try:
             if self._writes:
                 ensure_writable_dir(self.run_dir)  # an unwritable folder is one line, before any step
+            _check_optimizer_of(model, optimizer)
             self.name = name or self.run_dir.resolve().name
             weight_decay = float(optimizer.param_groups[0].get("weight_decay", 0.0)) if optimizer else 0.0
             cfg = ProbeConfig(every=every, activations=activations, act_sample=act_sample, task_contribution=False,
                               before_on=before_on)
             self.net = unwrap(model)  # DDP's and torch.compile's wrappers: the names of the model itself
-            # ``steps`` known: the last step is logged, as in the built-in runs.
-            self.probe = Probe(self.net, cfg, total_steps=steps, weight_decay=weight_decay)
-            self.probe.carry_at_backward = True  # a loop may zero_grad() between forward and backward
-            self.combiner = ranks.attach(self.probe, timeout)
-            # bf16 rounding: always, never, or (None) when a weight is bf16 or bf16 autocast is on.
-            self._bf16, self._bf16_weights = bf16, has_bf16(self.probe.params)
             self.records = Records(self.run_dir)
-            # findings reported at the logged step they appear (diagnose.live)
-            self.live = (LiveChecks(model, optimizer, self.probe, scaler, self.run_dir, on_finding, silence)
-                         if live else None)
+            self._bf16, self._on_finding, self._stopped, self._hooks = bf16, on_finding, False, hooks
+            self.probe, self.combiner, self.live = None, None, None
+            # Built now, or, where a lazy module creates its parameters in the first forward
+            # pass (nn.LazyLinear), when that pass has created them (``_materialised``).
+            self._build = lambda: self._build_probe(cfg, steps, weight_decay, timeout, live, on_finding, silence)
+            if any(is_lazy(p) for p in self.net.parameters()):
+                check_options(on_finding, silence)
+            else:
+                self._build()
             self.step = 0  # optimizer steps taken so far: the index of the step in progress
             self.status: Optional[str] = None  # set by close()
             self._begun = False
@@ -134,12 +138,78 @@ class Recorder:
                 release(self.run_dir)
             raise
 
+    def _build_probe(self, cfg: ProbeConfig, steps: Optional[int], weight_decay: float, timeout: float,
+                     live: bool, on_finding: str, silence: Any) -> None:
+        # ``steps`` known: the last step is logged, as in the built-in runs.
+        self.probe = Probe(self.net, cfg, total_steps=steps, weight_decay=weight_decay)
+        self.probe.carry_at_backward = True  # a loop may zero_grad() between forward and backward
+        self.combiner = ranks.attach(self.probe, timeout)
+        # bf16 rounding: always, never, or (None) when a weight is bf16 or bf16 autocast is on.
+        self._bf16_weights = has_bf16(self.probe.params)
+        # findings reported at the logged step they appear (diagnose.live)
+        self.live = (LiveChecks(self.model, self.optimizer, self.probe, self.scaler, self.run_dir, on_finding,
+                                silence) if live else None)
+        if self.live is not None and not self._hooks:
+            # Called by hand (or by Lightning, before its gradient clipping), before_step() need not be
+            # the moment right before the optimizer's step: the update rule is not checked.
+            self.live.rule.enabled = False
+
+    # -- the recorder's own failures: one finding, recording stops, the loop goes on -----------
+    def _guard(self, fn: Any, where: str, *args: Any) -> None:
+        if self.status is not None:
+            raise UserError(f"rec.{where}() on a closed recorder (rec.close() ran, or its with-block ended): "
+                            "nothing more is recorded; call it before closing")
+        if self._stopped:
+            return
+        try:
+            fn(*args)
+        except (FindingError, UserError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the recorder never breaks the user's loop (unless asked)
+            self._fail(exc, where)
+
+    def _fail(self, exc: Exception, where: str) -> None:
+        if self._on_finding == "raise":
+            raise exc
+        self._stopped = True
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        try:
+            self._after_forward(self.model, (), None)
+            if self.live is not None:
+                self.live.disarm()
+            if self._current is not None:
+                current, self._current = self._current, None
+                current.__exit__(RuntimeError, None, None)
+        except Exception:  # noqa: BLE001 - already failing: what is left is dropped
+            self._current = None
+        if self.live is not None:
+            self.live.recorder_failed(self.step, exc, where)
+            return
+        finding = LiveFinding(*recorder_error_hit(exc, where)[:3], KINDS["recorder_error"], step=self.step)
+        if self._on_finding == "log":
+            log.warning("%s", finding)
+        else:
+            warnings.warn(str(finding), TrainingFinding, stacklevel=3)
+
+    def _materialised(self) -> bool:
+        """Whether the probe exists, built now if a lazy module's parameters were just created."""
+        if self.probe is None:
+            if any(is_lazy(p) for p in self.net.parameters()):
+                return False
+            self._build()
+        return True
+
     # -- the step protocol: called by the hooks, or by you with hooks=False ------------------
     def _on_forward(self, module: nn.Module, args: Any) -> None:
+        self._guard(self._on_forward_, "forward pre-hook")
+
+    def _on_forward_(self) -> None:
         if not torch.is_grad_enabled():
             return
         starts = not self._begun
-        self.begin()  # while a step is in progress: only the live loss-scale check
+        self._begin()  # while a step is in progress: only the live loss-scale check
         if starts and self._current is not None and self._bf16 is None and autocast_bf16(self.probe.params[0]):
             self.probe.bf16 = True
         if starts and self._current is not None and self._eager:
@@ -149,16 +219,34 @@ class Recorder:
         if self._restore is not None:
             self._restore, restore = None, self._restore
             restore()
+        if self.probe is None and self._begun and output is not None and self.status is None:
+            self._guard(self._start_late, "forward hook")
+
+    def _start_late(self) -> None:
+        """The first forward pass created a lazy module's parameters: the probe is built and,
+        if this step is logged, it is recorded from here (its activations are not)."""
+        if self._materialised() and self.probe.logs(self.step):
+            self._begun = False
+            self._begin()
 
     def begin(self) -> None:
         """A step begins (before its first forward pass). The last logged step's row closes."""
+        self._guard(self._begin, "begin")
+
+    def _begin(self) -> None:
         if self._begun:
             if self._current is not None and self.live is not None:
                 self.live.step_retried(self.step)  # a skipped step's retry, or the next micro-batch
             return
         self._close_row()
         self._begun = True
+        if not self._materialised():
+            return
+        if self.live is not None:
+            self.live.each_begin(self.step, self.probe.logs(self.step))
         if self.probe.logs(self.step):
+            if self.probe.params and self.probe.params[0].is_meta:
+                raise RuntimeError("the parameters are on the meta device: they hold no values to record")
             self.probe.bf16 = bool(self._bf16 if self._bf16 is not None else self._bf16_weights)
             lr = float(self.optimizer.param_groups[0]["lr"]) if self.optimizer is not None else math.nan
             scale = float(self.scaler.get_scale()) if self.scaler is not None else 1.0
@@ -169,7 +257,14 @@ class Recorder:
 
     def before_step(self) -> None:
         """The gradients are complete (after backward, unscaling and accumulation)."""
-        self.begin()  # a step whose forward pass no hook saw
+        self._guard(self._before_step, "before_step")
+
+    def _before_step(self) -> None:
+        self._begin()  # a step whose forward pass no hook saw
+        if not self._materialised():
+            return
+        if self.live is not None:
+            self.live.each_before_step()
         if self._current is not None:
             _check_same_params(self.net, self.probe.params)
             if self.live is not None:
@@ -178,7 +273,10 @@ class Recorder:
 
     def after_step(self) -> None:
         """The optimizer has updated the parameters: the step ends."""
-        self.begin()
+        self._guard(self._after_step, "after_step")
+
+    def _after_step(self) -> None:
+        self._begin()
         current, self._current = self._current, None
         scalars, self._scalars = self._scalars, {}
         if current is None:  # the lr this step used (a scheduler may change it after the step)
@@ -197,6 +295,8 @@ class Recorder:
         self._begun = False
         if current is not None and (self._last_flush is None or time.monotonic() - self._last_flush > flush_seconds()):
             self.flush()
+        if self.live is not None:
+            self.live.each_after_step(self.step - 1, current is not None)
         if current is not None and self.live is not None:
             self.live.after_step(self.step - 1, current.columns)  # last: it may raise (on_finding="raise")
 
@@ -204,6 +304,9 @@ class Recorder:
         """Scalars of the step in progress, or, after ``optimizer.step()``, of the step just
         taken. Numbers or one-element tensors; a tensor is read (one host sync) only when its
         step is logged. The recorder's own columns (``RESERVED``) are refused."""
+        if self.status is not None:
+            raise UserError("rec.log() on a closed recorder (rec.close() ran, or its with-block ended): nothing "
+                            "more is recorded; log before closing")
         taken = sorted(set(scalars) & set(RESERVED))
         if taken:
             raise UserError(f"rec.log({', '.join(taken)}=...): reserved column(s) the recorder writes itself "
@@ -302,6 +405,10 @@ class Recorder:
         not updated (``diagnose.over_steps``); frozen and outside-the-optimizer tensors named; a
         clip applied before a GradScaler's unscale (``diagnose.scaled_clip``); then the live
         findings (``diagnose.live``) of other kinds or tensors, each with its step."""
+        if self.probe is None:  # a lazy model that never ran forward
+            live = self.live.found if self.live is not None else []
+            return list(live) or [Finding("no_findings", "(all parameters)", "no findings: no step has been "
+                                          "logged yet, so there is nothing to judge", severity=INFO)]
         held = {id(p) for g in self.optimizer.param_groups for p in g["params"]} if self.optimizer else None
         frozen = [n for n, p in zip(self.probe.names, self.probe.params) if not p.requires_grad]
         outside = [n for n, p in zip(self.probe.names, self.probe.params)
@@ -352,6 +459,19 @@ def _check(model: Any, optimizer: Any, every: Any, steps: Any = None) -> None:
         raise UserError(f"steps={steps!r} must be the whole number of steps the loop takes (>= 1), or None")
     if not any(True for _ in model.parameters()):
         raise UserError(f"{type(model).__name__} has no registered parameters: nothing to record")
+
+
+def _check_optimizer_of(model: nn.Module, optimizer: Any) -> None:
+    """An optimizer none of whose tensors is the model's was built over another model (checked
+    after the folder's claim, so that a folder in use is said first)."""
+    held = [p for g in getattr(optimizer, "param_groups", None) or [] for p in g.get("params", [])]
+    mine = {id(p) for p in model.parameters()}
+    if held and not any(id(p) in mine for p in held):
+        err = UserError(f"the optimizer holds {len(held)} tensor(s) and none is a parameter of this "
+                        f"{type(model).__name__} (compared by identity): it was built over another model, or before "
+                        "the model was rebuilt; build it from model.parameters()")
+        err.kind = "stale_optimizer_param"  # type: ignore[attr-defined]
+        raise err
 
 
 def _check_same_params(net: nn.Module, held: list) -> None:

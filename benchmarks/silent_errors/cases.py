@@ -25,6 +25,12 @@ CAUSES = {
     "nonfinite": "nonfinite_gradient",  # an operation whose derivative is NaN at the point used
     "graph_cut": "no_gradient",  # the loss reaches a network through .item()/.detach()
     "unused": "no_gradient",  # a layer built in __init__ that forward never calls
+    "weights_swapped": "changed_between_steps",  # an EMA/averaged copy loaded and not restored
+    "weights_edited": "changed_between_steps",  # an evaluation or export helper that edits weights in place
+    "frozen_moving": "frozen_moved",  # momentum or weight decay on a frozen tensor with a zero .grad
+    "accumulation_reset": "grad_reset_in_step",  # zero_grad inside the micro-batch loop of an accumulated step
+    "eval_mode_functional": "eval_mode",  # eval() left on where dropout is functional (no nn.Dropout)
+    "zero_grad_misplaced": "grad_modified",  # gradients zeroed or clipped to zero between backward and step
 }
 
 
@@ -478,3 +484,6 @@ def transformer_unused_projection(buggy, record):
     record(model, opt)
     sgd_steps(model, opt, make=lambda: (torch.randn(8, 5, 16), torch.randint(0, 3, (8,))))
     return 0
+
+
+import cases_invariants  # noqa: E402,F401  - registers the invariants' cases

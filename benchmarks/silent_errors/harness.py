@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradrepro
+from gradrepro.diagnose.live import LiveFinding
+from gradrepro.errors import UserError
 
 EVERY = 8  # the recorder logs every 8th step: a detection "in time" is at the first logged step after the bug acts
 STEPS = 40
@@ -33,23 +35,37 @@ class Recording:
     """Makes the case's recorder (findings logged, not warned) and keeps it for scoring."""
 
     def __init__(self, every: int = EVERY, live: bool = True) -> None:
-        self.every, self.live, self.recorders = every, live, []
+        self.every, self.live, self.recorders, self.refused = every, live, [], []
         self._dir = tempfile.TemporaryDirectory(prefix="silent-errors-")
 
     def __call__(self, model: nn.Module, optimizer: Any, **options: Any):
-        run_dir = f"{self._dir.name}/{len(self.recorders)}"
-        rec = gradrepro.record(model, optimizer, run_dir, every=self.every, live=self.live, on_finding="log",
-                               activations=False, **options)
+        run_dir = f"{self._dir.name}/{len(self.recorders) + len(self.refused)}"
+        try:
+            rec = gradrepro.record(model, optimizer, run_dir, every=self.every, live=self.live, on_finding="log",
+                                   activations=False, **options)
+        except UserError as exc:  # a setup the recorder refuses, naming the cause: found before step 0
+            kind = getattr(exc, "kind", None)
+            if kind is None:
+                raise
+            self.refused.append(LiveFinding(kind, "<setup>", str(exc), "error", step=0))
+            return _Refused()
         self.recorders.append(rec)
         return rec
 
     def findings(self) -> list:
-        return [f for rec in self.recorders if rec.live is not None for f in rec.live.found]
+        return self.refused + [f for rec in self.recorders if rec.live is not None for f in rec.live.found]
 
     def close(self) -> None:
         for rec in self.recorders:
             rec.close()
         self._dir.cleanup()
+
+
+class _Refused:
+    """What a case gets in place of a recorder the setup refused: its calls do nothing."""
+
+    def __getattr__(self, name: str):
+        return lambda *args, **kwargs: None
 
 
 def run_case(case: Callable[[bool, Callable], int], buggy: bool, every: int = EVERY) -> Outcome:

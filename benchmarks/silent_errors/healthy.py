@@ -187,3 +187,6 @@ def ddp_two_processes(_, record):
     if rows:
         raise AssertionError(f"findings on the healthy DDP model: {rows}")
     return -1
+
+
+import healthy_patterns  # noqa: E402,F401  - registers the patterns' healthy loops

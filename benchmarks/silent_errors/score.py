@@ -1,7 +1,7 @@
 """The silent-error benchmark's score, by one command:
 
-    python benchmarks/silent_errors/score.py [--cases NAME ...] [--healthy NAME ...] [--no-overhead]
-                                             [--json out.json]
+    python benchmarks/silent_errors/score.py [--half design|scored|all] [--cases NAME ...]
+                                             [--healthy NAME ...] [--no-overhead] [--json out.json]
 
 For each case (cases.py), buggy and fixed: detected or not, at which step, whether at the first
 logged step after the bug acts, whether the finding names the cause the report established,
@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import CASES, CAUSES  # noqa: E402
 from harness import EVERY, run_case  # noqa: E402
 from healthy import HEALTHY  # noqa: E402
+from split import HALVES, half, of_half  # noqa: E402
 
 import gradrepro  # noqa: E402
 
@@ -41,7 +42,7 @@ def score_case(name: str) -> dict:
     first = min((f.step for f in buggy.findings), default=None)
     named = sorted({f.kind for f in buggy.findings if f.step == first})
     due = first_logged_at_or_after(buggy.bug_step) if buggy.bug_step >= 0 else None
-    return {"case": name, "cause": case.cause, "url": case.url, "bug_step": buggy.bug_step,
+    return {"case": name, "half": half(name), "cause": case.cause, "url": case.url, "bug_step": buggy.bug_step,
             "detected_at": first, "in_time": first is not None and due is not None and first <= due,
             "kinds": named, "cause_named": CAUSES[case.cause] in named,
             "fixed_findings": sorted({f"{f.kind}@{f.step}" for f in fixed.findings}),
@@ -50,7 +51,8 @@ def score_case(name: str) -> dict:
 
 def score_healthy(name: str) -> dict:
     out = run_case(HEALTHY[name], True)
-    return {"model": name, "findings": [str(f) for f in out.findings], "error": out.error}
+    return {"model": name, "half": half(name), "findings": [str(f) for f in out.findings],
+            "kinds": sorted({f.kind for f in out.findings}), "error": out.error}
 
 
 def overhead(steps: int = 48, rounds: int = 3) -> dict:
@@ -87,6 +89,8 @@ def overhead(steps: int = 48, rounds: int = 3) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--half", choices=HALVES + ("all",), default="all",
+                    help="the design half, the scored half (split.py), or all (default)")
     ap.add_argument("--cases", nargs="*", default=None, help=f"from: {', '.join(CASES)}")
     ap.add_argument("--healthy", nargs="*", default=None, help=f"from: {', '.join(HEALTHY)}")
     ap.add_argument("--no-overhead", action="store_true")
@@ -98,9 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"unknown {what} {bad[0]!r}; choose from: {', '.join(known)}", file=sys.stderr)
             return 2
     torch.set_num_threads(1)
-    cases = [score_case(n) for n in (CASES if args.cases is None else args.cases)]
-    models = [score_healthy(n) for n in (HEALTHY if args.healthy is None else args.healthy)]
-    result = {"every": EVERY, "cases": cases, "healthy": models}
+    cases = [score_case(n) for n in of_half(CASES if args.cases is None else args.cases, args.half)]
+    models = [score_healthy(n) for n in of_half(HEALTHY if args.healthy is None else args.healthy, args.half)]
+    result = {"every": EVERY, "half": args.half, "cases": cases, "healthy": models}
     for c in cases:
         print(f"{c['case']:42s} {c['cause']:20s} bug@{c['bug_step']:<3} found@{c['detected_at']!s:5s} "
               f"in_time={c['in_time']!s:5s} cause_named={c['cause_named']!s:5s} {','.join(c['kinds'])}"
@@ -110,13 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"healthy {m['model']:30s} findings={len(m['findings'])}"
               + (f"  ERROR {m['error']}" if m["error"] else ""))
         for f in m["findings"]:
-            print("   ", f.splitlines()[0])
+            print("   ", f.splitlines()[0][:220])
     n = len(cases)
     if n:
         summary = {"cases": n, "causes": len({c["cause"] for c in cases}),
                    "detected_in_time": sum(c["in_time"] for c in cases),
                    "cause_named": sum(c["cause_named"] for c in cases),
                    "fixed_with_findings": sum(bool(c["fixed_findings"]) for c in cases),
+                   "healthy": len(models),
                    "healthy_with_findings": sum(bool(m["findings"] or m["error"]) for m in models)}
         result["summary"] = summary
         print("summary:", summary)

@@ -9,7 +9,10 @@ A finding goes to Python's ``warnings`` (category ``TrainingFinding``; ``on_find
 the ``gradrepro.diagnose.live`` logger instead), to ``findings.json`` in the run folder
 (written atomically when it appears) and to ``rec.findings()``.
 
-Cost: nothing on a step that is not logged. On a logged step, besides the probe's own work:
+The invariants of a training step (``diagnose.invariants``: weights changed between steps,
+frozen tensors that move, gradients reset inside a step; ``diagnose.rule_check``: the update
+against its rule) are wired in here. Cost: on a step that is not logged, the fingerprints
+alone (``invariants``). On a logged step, besides the probe's own work:
 identity sets of the optimizer's and the model's tensors, one pass over the mode-sensitive
 modules, a copy of each frozen BatchNorm's running mean, a forward hook on the model and a
 gradient hook on its output, where a few multi-tensor operations (a difference and norms)
@@ -31,8 +34,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from gradrepro.diagnose import invariants
 from gradrepro.diagnose import live_checks as checks
 from gradrepro.diagnose.report import ERROR, NEXT_CHECK, WARNING, Finding
+from gradrepro.diagnose.rule_check import UpdateRuleCheck
 from gradrepro.errors import UserError
 from gradrepro.probe.shards import local
 from gradrepro.records.files import write_json
@@ -47,6 +52,9 @@ KINDS: dict[str, str] = {
     "no_gradient": ERROR, "grad_modified": ERROR, "nonfinite_gradient": ERROR, "stale_gradient": ERROR,
     "eval_mode": WARNING, "frozen_norm_drift": WARNING, "loss_scale_backoff": ERROR,
 }
+KINDS.update(invariants.KINDS)  # the step's invariants (diagnose.invariants, diagnose.rule_check)
+KINDS["update_mismatch"] = WARNING
+NEXT_CHECK.update(invariants.NEXT_CHECK)
 # GradScaler halves its scale on every step with an overflow (torch.amp.GradScaler docs,
 # backoff_factor=0.5). Below a scale of 1 it shrinks the gradients instead of amplifying
 # them, so an overflow there is not one the scale caused: the backoff will not end.
@@ -82,23 +90,33 @@ class LiveFinding(Finding):
                 "detail": self.detail, "fix": self.fix, "evidence": self.evidence}
 
 
+def check_options(on_finding: str, silence: Any) -> list[str]:
+    """The options' values checked (one line each): the kinds ``silence`` names, as a list."""
+    if on_finding not in ON_FINDING:
+        raise UserError(f"on_finding={on_finding!r}: choose one of {', '.join(ON_FINDING)}")
+    silence = [silence] if isinstance(silence, str) else list(silence)
+    unknown = [k for k in silence if k not in KINDS]
+    if unknown:
+        raise UserError(f"silence={unknown[0]!r} is not a finding; the findings are: {', '.join(KINDS)}")
+    return silence
+
+
 class LiveChecks:
     """The recorder's live findings; the recorder calls ``begin`` (a logged step begins),
     ``before_step``, ``after_step`` (with the probe's columns) and ``step_retried``."""
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], probe: Any, scaler: Any,
                  run_dir: Path, on_finding: str = "warn", silence: Any = ()) -> None:
-        if on_finding not in ON_FINDING:
-            raise UserError(f"on_finding={on_finding!r}: choose one of {', '.join(ON_FINDING)}")
-        silence = [silence] if isinstance(silence, str) else list(silence)
-        unknown = [k for k in silence if k not in KINDS]
-        if unknown:
-            raise UserError(f"silence={unknown[0]!r} is not a finding; the findings are: {', '.join(KINDS)}")
+        silence = check_options(on_finding, silence)
         self.model, self.optimizer, self.probe, self.scaler = model, optimizer, probe, scaler
         self.path, self.on_finding, self.silence = Path(run_dir) / FINDINGS, on_finding, set(silence)
         self.found: list[LiveFinding] = []
         self._seen: set[tuple[str, str]] = set()
         self._sensitive = checks.mode_sensitive(model)
+        self._sensitive += invariants.training_readers(model, self._sensitive)
+        self.invariants = invariants.StepInvariants(probe.names, probe.params, optimizer)
+        self.trail = invariants.BackwardTrail(probe.names, probe.params, self.invariants.prints)
+        self.rule = UpdateRuleCheck(probe.names, probe.params, self.invariants.prints, optimizer)
         self._hits: list[checks.Hit] = []  # found before the step, reported after it
         self._watched: list[tuple[str, nn.Module]] = []
         self._means: list[torch.Tensor] = []
@@ -113,6 +131,7 @@ class LiveChecks:
     def begin(self, step: int) -> None:
         """A logged step begins (before its first forward pass)."""
         self._hits, self._start, self._end, self._in_backward = [], None, None, False
+        self.trail.reset_step()
         # What .grad holds as the step begins, by identity and in-place version (weakly: a
         # loop that sets .grad to None frees it): a backward that starts on the very same,
         # unmodified tensor accumulates onto a gradient nothing reset.
@@ -129,8 +148,34 @@ class LiveChecks:
         if self.scaler is not None:
             self._check_scale(step, float(self.scaler.get_scale()))
 
+    # -- on every step, logged or not: the fingerprints (diagnose.invariants) ------------------
+    def each_begin(self, step: int, logged: bool) -> None:
+        """A step begins (its first forward pass, or ``rec.begin()``)."""
+        self.invariants.step_begins(step)
+        self._report_invariants(logged)
+
+    def each_before_step(self) -> None:
+        self.invariants.before_step()
+
+    def each_after_step(self, step: int, logged: bool) -> None:
+        self.invariants.after_step(step)
+        self._report_invariants(logged)
+
+    def _report_invariants(self, logged: bool) -> None:
+        by_step: dict[int, list] = {}
+        for step, hit in self.invariants.hits(logged):
+            by_step.setdefault(step, []).append(hit)
+        for step, hits in by_step.items():
+            self._report(step, hits)
+
+    def recorder_failed(self, step: int, exc: BaseException, where: str) -> None:
+        """The recorder's own failure, as one ``recorder_error`` finding."""
+        self._report(step, [invariants.recorder_error_hit(exc, where)])
+
     def before_step(self) -> None:
         """The gradients are complete; the probe has not read them yet."""
+        self.trail.stop()
+        self.rule.predict()
         self._hits += checks.membership_hits(self.model, self.optimizer)
         self._hits += checks.mode_hits(self.model, self._sensitive)
         self._hits += checks.drift_hits(self._watched, self._means)
@@ -138,7 +183,7 @@ class LiveChecks:
     def after_step(self, step: int, columns: Optional[dict]) -> None:
         """The step is taken: its columns are made. Reports what is new."""
         self.disarm()
-        hits, self._hits = self._hits, []
+        hits, self._hits = self._hits + self.rule.compare(step), []
         if columns is not None:
             names, params = self.probe.names, self.probe.params
             end = self._host(self._end)
@@ -147,6 +192,8 @@ class LiveChecks:
                 idx, carried, diff = self._start
                 values = torch.stack([torch.stack(carried), torch.stack(diff)]).cpu().double().numpy()
                 hits += checks.stale_hits(names, zip(idx, values[0], values[1]))
+        kinds = {(h[0], h[1]) for h in hits}
+        hits += [h for h in self.trail.found if (h[0], h[1]) not in kinds]  # one finding of a kind and name
         if step == 0:  # a linear warm-up from 0 takes its first step at lr 0 by design
             hits = [h for h in hits if h[0] != "lr_zero"]
         self._report(step, hits)
@@ -162,11 +209,21 @@ class LiveChecks:
         if first is not None:
             first.register_hook(self._backward_begins)
 
+    def _trail(self, moment: str, *args: Any) -> None:
+        """The backward trail's hook, which must never raise into the user's backward: a failure
+        stops it for the step and becomes a recorder_error finding."""
+        try:
+            getattr(self.trail, moment)(*args)
+        except Exception as exc:  # noqa: BLE001 - inside autograd: reported, never raised
+            self.trail.halt()
+            self._hits.append(invariants.recorder_error_hit(exc, f"the backward hook ({moment})"))
+
     def _backward_begins(self, grad: torch.Tensor) -> None:
         """The gradient reached the model's output (first of its outputs in this backward):
         .grad holds what earlier backward passes left."""
         if self._in_backward:
             return None
+        self._trail("begins")
         params, self._start = self.probe.params, None
         # Untouched since the step began: the same tensor (not set to None and rebuilt) at the
         # same version (not zeroed or written in place). Its difference from then is exactly 0.
@@ -188,6 +245,7 @@ class LiveChecks:
         idx = [i for i, p in enumerate(self.probe.params) if p.grad is not None]
         with torch.no_grad():
             self._end = (idx, list(torch._foreach_norm([p_grad(self.probe.params[i]) for i in idx]))) if idx else None
+        self._trail("ends", self._end or ([], []))
 
     @staticmethod
     def _host(end: Optional[tuple]) -> Optional[dict[int, float]]:

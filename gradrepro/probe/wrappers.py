@@ -34,6 +34,8 @@ def autocast_bf16(param: torch.Tensor) -> bool:
         if not torch.is_autocast_enabled(device_type):
             return False
         return torch.get_autocast_dtype(device_type) == torch.bfloat16
+    except RuntimeError:  # a device type autocast does not know (meta): no autocast there
+        return False
     except (TypeError, AttributeError):  # pragma: no cover - older torch
         if device_type == "cuda":
             return torch.is_autocast_enabled() and torch.get_autocast_gpu_dtype() == torch.bfloat16

@@ -1,0 +1,392 @@
+"""Invariants of a training step that ``gradrepro.record`` checks live, from what its hooks see
+(``diagnose.live`` wires them in). Each is a property every correct loop keeps, so a
+contradiction is reported at once, with the tensors and the likely cause:
+
+- ``changed_between_steps``: no parameter changes between one ``optimizer.step()`` and the
+  next training forward pass. Checked on every step from a fingerprint of each tensor (a few
+  fixed entries, read bit for bit with one ``torch.cat``; no copy of the model): an averaged or
+  EMA copy swapped in for evaluation and never swapped back, weights folded or normalised in
+  place by an evaluation or export helper, a shallow copy edited in place.
+- ``frozen_moved``: a tensor that does not train (``requires_grad=False``, or in no param
+  group) keeps its value, across the step and between steps: momentum or weight decay applied
+  to a frozen tensor whose ``.grad`` is a zero tensor, a hand-written decay over every parameter.
+- ``grad_reset_in_step``: the step consumes what the backward passes since the last step
+  produced. A backward that started from a reset gradient, whose gradient was reset again
+  before the next backward of the same step while the weights stayed as they were, was
+  thrown away (``zero_grad()`` inside the micro-batch loop of an accumulated step). A loop
+  that moves the weights with the first gradient before the next backward (sharpness-aware
+  minimisation) has consumed it; one whose first backward starts from the last step's sum (a
+  GAN's generator pass writing the discriminator's ``.grad``) is the carried-sum case,
+  ``stale_gradient``'s. Checked on logged steps.
+- ``eval_mode`` (with ``live_checks.mode_hits``): the modules whose forward reads their
+  ``training`` flag are found from their code (``training_readers``), not only Dropout and
+  BatchNorm instances: functional dropout, stochastic depth, attention dropout.
+- ``recorder_error``: the recorder itself failed; recording stops and the loop goes on.
+
+Cost: on every step two ``torch.cat`` of a few entries per tensor (before and after the
+optimizer's step) and one more with a bitwise comparison when the next step begins; on CPU the
+comparison is read at once, on an accelerator it is kept on the device until the next logged
+step (no host wait on unlogged steps).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import weakref
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from gradrepro.diagnose.report import WARNING
+from gradrepro.probe.shards import DTensor, local
+
+Hit = tuple[str, str, str, dict]  # kind, name, detail, evidence (as live_checks.Hit)
+
+KINDS: dict[str, str] = {"changed_between_steps": WARNING, "frozen_moved": WARNING,
+                         "grad_reset_in_step": WARNING, "recorder_error": WARNING}
+NEXT_CHECK: dict[str, str] = {
+    "changed_between_steps": "find what writes the weights after optimizer.step(): an EMA/averaged copy loaded for "
+    "evaluation and not restored (keep a backup and copy it back), load_state_dict inside the loop, an export or "
+    "evaluation helper that folds or normalises weights in place (run it on copy.deepcopy(model)), a shallow "
+    "copy.copy(model) edited in place; silence this kind if the edit is intended (weight clipping, pruning masks)",
+    "frozen_moved": "a tensor that does not train moved: its .grad is a zero tensor rather than None "
+    "(zero_grad(set_to_none=False), or frozen after the optimizer was built) and the optimizer applies momentum or "
+    "weight decay to it; set p.grad = None when freezing, or take it out of the optimizer; or a hand-written decay "
+    "loop that covers every parameter",
+    "grad_reset_in_step": "a backward's gradient was reset before the optimizer used it: in an accumulated step "
+    "call zero_grad() only after optimizer.step(), not before every micro-batch",
+    "recorder_error": "the recorder stopped recording after this error (training went on); please report it with "
+    "the detail above, or pass live=False / hooks=False to work around it",
+}
+
+SAMPLES = 4  # entries per tensor in its fingerprint: enough for a swap or an edit of the whole tensor
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _flat(p: torch.Tensor) -> Optional[torch.Tensor]:
+    """A 1-d view of every entry of a dense tensor (None where no such view exists)."""
+    t = local(p.detach())
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if t.is_contiguous():
+        return t.view(-1)
+    for fmt in (torch.channels_last, torch.channels_last_3d):
+        try:
+            if t.is_contiguous(memory_format=fmt):
+                return t.as_strided((t.numel(),), (1,), t.storage_offset())
+        except RuntimeError:
+            continue
+    return None
+
+
+class Fingerprints:
+    """A few fixed entries of every parameter, read together (``sample``) and compared bit for
+    bit; ``changes`` says which tensors differ. The views follow a tensor whose storage was
+    replaced (``p.data = ...``): they are rebuilt when a data pointer moves."""
+
+    def __init__(self, names: Sequence[str], params: Sequence[torch.Tensor]) -> None:
+        self.names, self.params = list(names), list(params)
+        self.enabled = bool(self.params) and not any(
+            p.is_meta or (DTensor is not None and isinstance(p, DTensor)) for p in self.params)
+        self.views: list[torch.Tensor] = []
+        self.bounds = np.zeros(len(self.params) + 1, dtype=np.int64)
+        self._ptrs: list[int] = []
+        if self.enabled:
+            self._build()
+
+    def _build(self) -> None:
+        views, counts = [], []
+        for p in self.params:
+            flat = _flat(p) if p.is_floating_point() or p.is_complex() else None
+            n = 0 if flat is None else flat.numel()
+            k = min(SAMPLES, n)
+            if k:
+                stride = n // k
+                views.append(flat[stride // 2::stride][:k])
+            counts.append(k)
+        self.views = views
+        self.bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._ptrs = [p.data_ptr() for p in self.params]
+        self.enabled = bool(views)
+
+    def sample(self) -> Optional[torch.Tensor]:
+        if not self.enabled:
+            return None
+        if [p.data_ptr() for p in self.params] != self._ptrs:
+            self._build()
+            if not self.enabled:
+                return None
+        with torch.no_grad():
+            s = torch.cat(self.views) if len({v.dtype for v in self.views}) == 1 else torch.cat(
+                [v.double() for v in self.views])
+            return s.view(_INT_OF_SIZE[s.element_size()])  # bits: NaN equals NaN, -0 differs from 0
+
+    @staticmethod
+    def differ(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Entry by entry, where two samples differ (a device tensor; None when not comparable)."""
+        if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype:
+            return None
+        return a != b
+
+    def changes(self, mask: torch.Tensor) -> list[int]:
+        """The tensors with a differing entry, from ``differ``'s mask (one host read)."""
+        m = mask.cpu().numpy()
+        if not m.any():
+            return []
+        summed = np.concatenate([[0], np.cumsum(m.astype(np.int64))])
+        counts = summed[self.bounds[1:]] - summed[self.bounds[:-1]]
+        sizes = np.diff(self.bounds)
+        return [i for i in range(len(self.params)) if sizes[i] and counts[i] > 0]
+
+
+class StepInvariants:
+    """``changed_between_steps`` and ``frozen_moved`` on every step (module docstring). The
+    recorder calls ``step_begins``, ``before_step`` and ``after_step``; ``hits`` hands over what
+    was found, read at once on CPU and at the next logged step elsewhere."""
+
+    def __init__(self, names: Sequence[str], params: Sequence[torch.Tensor],
+                 optimizer: Optional[torch.optim.Optimizer]) -> None:
+        self.prints = Fingerprints(names, params)
+        self.optimizer = optimizer
+        self.eager = bool(params) and params[0].device.type == "cpu"
+        self._after: Optional[torch.Tensor] = None  # the fingerprint after the last step
+        self._before: Optional[torch.Tensor] = None  # at this step's optimizer.step(), before it
+        self._pending: list[tuple[int, str, torch.Tensor]] = []  # (step, where, mask)
+        self._frozen: list[int] = []
+        self._signature: Optional[tuple] = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Which tensors do not train, as the optimizer's step finds them: requires_grad=False, or
+        in no param group. Read again when a flag or the groups' sizes changed (a freeze or an
+        unfreeze between two steps, ``add_param_group``): a few attribute reads a step."""
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        signature = (tuple(p.requires_grad for p in self.prints.params), tuple(len(g["params"]) for g in groups))
+        if signature == self._signature:
+            return
+        self._signature = signature
+        held = {id(p) for g in groups for p in g["params"]} if self.optimizer is not None else None
+        self._frozen = [i for i, p in enumerate(self.prints.params)
+                        if not p.requires_grad or (held is not None and id(p) not in held)]
+        self._frozen_mask = None
+        if self._frozen and self.prints.enabled:
+            keep = np.zeros(int(self.prints.bounds[-1]), dtype=bool)
+            for i in self._frozen:
+                keep[self.prints.bounds[i]:self.prints.bounds[i + 1]] = True
+            self._frozen_mask = torch.from_numpy(keep).to(self.prints.views[0].device) if keep.any() else None
+
+    def _differ(self, a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``Fingerprints.differ``, or None at once where the two are equal (on CPU: one call)."""
+        if self.eager and a is not None and b is not None and a.shape == b.shape and torch.equal(a, b):
+            return None
+        return Fingerprints.differ(a, b)
+
+    def step_begins(self, step: int) -> None:
+        if self._after is not None:
+            now = self.prints.sample()
+            mask = self._differ(self._after, now)
+            if mask is not None:
+                self._pending.append((step, "between", mask))
+            self._after = None
+
+    def before_step(self) -> None:
+        self.refresh()
+        self._before = self.prints.sample() if self._frozen_mask is not None else None
+
+    def after_step(self, step: int) -> None:
+        self._after = self.prints.sample()
+        if self._before is not None:
+            mask = self._differ(self._before, self._after)
+            if mask is not None and mask.shape == self._frozen_mask.shape:
+                self._pending.append((step, "during", mask & self._frozen_mask))
+        self._before = None
+
+    def hits(self, logged: bool) -> list[tuple[int, Hit]]:
+        """What the comparisons so far found, as (step, hit); on an accelerator only when
+        ``logged`` (one host read then)."""
+        if not self._pending or not (self.eager or logged):
+            return []
+        pending, self._pending = self._pending, []
+        found: list[tuple[int, Hit]] = []
+        frozen = set(self._frozen)
+        for step, where, mask in pending:
+            changed = self.prints.changes(mask)
+            if changed:
+                found += [(step, h) for h in self._describe(step, where, changed, frozen)]
+        return found
+
+    def _describe(self, step: int, where: str, changed: list[int], frozen: set) -> list[Hit]:
+        names = self.prints.names
+        moved = [i for i in changed if i in frozen]
+        edited = [i for i in changed if i not in frozen]
+        hits: list[Hit] = []
+        when = ("between the last optimizer.step() and this step's forward pass" if where == "between"
+                else "during optimizer.step()")
+        if edited:
+            shown = ", ".join(names[i] for i in edited[:6]) + (" ..." if len(edited) > 6 else "")
+            share = len(edited) / max(1, len(self.prints.params) - len(frozen))
+            what = ("nearly every trainable tensor: a copy of the weights was loaded (an EMA or averaged "
+                    "model swapped in, load_state_dict) and not restored" if share > 0.5 else
+                    "an edit in place outside the optimizer (an evaluation or export helper, weight "
+                    "normalisation, a shallow copy edited)")
+            hits.append(("changed_between_steps", names[edited[0]], (
+                f"{len(edited)} tensor(s) changed {when} ({shown}): {what}; training goes on from weights the "
+                "optimizer did not produce"), {"tensors_changed": len(edited), "share_of_trainable": share}))
+        if moved:
+            shown = ", ".join(names[i] for i in moved[:6]) + (" ..." if len(moved) > 6 else "")
+            why = ("the optimizer moved them: a zero .grad (not None) lets momentum and weight decay act"
+                   if where == "during" else "something outside the optimizer wrote them (a hand-written decay "
+                   "or update over every parameter?)")
+            hits.append(("frozen_moved", names[moved[0]], (
+                f"{len(moved)} tensor(s) that do not train (requires_grad=False or in no param group) changed "
+                f"{when} ({shown}): {why}"), {"tensors_moved": len(moved)}))
+        return hits
+
+
+class BackwardTrail:
+    """``grad_reset_in_step`` on a logged step (module docstring): per backward, whether it
+    started from a reset gradient (every .grad None or zero), whether it left one, and the
+    weights' fingerprint at its end; the next backward of the same step compares."""
+
+    def __init__(self, names: Sequence[str], params: Sequence[torch.Tensor], prints: Fingerprints) -> None:
+        self.names, self.params, self.prints = list(names), list(params), prints
+        self.reset_step()
+
+    def reset_step(self) -> None:
+        self._last: Optional[dict] = None  # the last backward of this step: fresh, marks, fingerprint
+        self._fresh = False
+        self._stopped = False
+        self._passes, self._any_fresh, self._carried = 0, False, 0.0  # carried: the first pass's start
+        self.found: list[Hit] = []
+
+    def halt(self) -> None:
+        """Nothing more is judged this step (the trail itself failed)."""
+        self._stopped = True
+
+    def stop(self) -> None:
+        """optimizer.step() began: backward passes inside it (a closure) are the optimizer's. A
+        step none of whose backward passes started from a reset gradient sums the last step's
+        into its own (however other losses wrote .grad in between: a GAN's generator pass)."""
+        if not self._stopped and self._passes and not self._any_fresh and self._carried > 0:
+            self.found.append(("stale_gradient", "<model>", (
+                f"none of this step's {self._passes} backward pass(es) started from a reset gradient: the first "
+                f"began on .grad holding {self._carried:.4g} (norm over the model) from before the step, so the step "
+                "uses the previous step's gradient summed into its own (no zero_grad() at the step boundary)"),
+                {"backward_passes": self._passes, "carried_norm": self._carried}))
+        self._stopped = True
+
+    def _norms(self) -> tuple[list[int], np.ndarray]:
+        idx = [i for i, p in enumerate(self.params) if p.grad is not None]
+        if not idx:
+            return idx, np.zeros(0)
+        with torch.no_grad():
+            norms = torch._foreach_norm([_dense(self.params[i].grad) for i in idx])
+            return idx, torch.stack([n.float() for n in norms]).cpu().numpy()
+
+    def begins(self) -> None:
+        if self._stopped:
+            return
+        idx, norms = self._norms()
+        self._fresh = not np.any(norms != 0)
+        if not self._passes:
+            self._carried = float(np.sqrt(np.sum(np.nan_to_num(norms.astype(np.float64), nan=1.0) ** 2)))
+        self._passes += 1
+        self._any_fresh |= self._fresh
+        last = self._last
+        if last is None or not last["fresh"] or not self._fresh or not last["left"]:
+            return
+        mask = Fingerprints.differ(last["print"], self.prints.sample())
+        if mask is None or mask.any():  # the weights moved: the first gradient was consumed (SAM)
+            return
+        reset = [i for i in last["left"] if self.params[i].grad is None
+                 or last["marks"][i][0]() is not self.params[i].grad
+                 or self.params[i].grad._version != last["marks"][i][1]]
+        if reset:
+            shown = ", ".join(self.names[i] for i in reset[:6]) + (" ..." if len(reset) > 6 else "")
+            self.found.append(("grad_reset_in_step", "<model>", (
+                f"a backward pass's gradient was reset before the optimizer used it: {len(reset)} tensor(s) "
+                f"({shown}) held it when the next backward of the same step began, from zero again, with the "
+                "weights unchanged; the step uses the last micro-batch's gradient alone"),
+                {"tensors_reset": len(reset)}))
+
+    def ends(self, end: Optional[tuple] = None) -> None:
+        """A backward ended; ``end``: (indices, their gradients' norms) where the caller has them."""
+        if self._stopped:
+            return
+        if end is None:
+            idx, norms = self._norms()
+        else:
+            idx = end[0]
+            norms = torch.stack([n.float() for n in end[1]]).cpu().numpy() if idx else np.zeros(0)
+        # A non-finite gradient is one no step can use (a GradScaler skips the step): dropping it
+        # before the next backward is what the loop must do.
+        left = [i for i, n in zip(idx, norms) if n != 0] if np.all(np.isfinite(norms)) else []
+        self._last = {"fresh": self._fresh, "left": left,
+                      "marks": {i: (weakref.ref(self.params[i].grad), self.params[i].grad._version) for i in left},
+                      "print": self.prints.sample()}
+
+
+def _dense(g: torch.Tensor) -> torch.Tensor:
+    g = local(g)
+    if g.is_sparse:
+        g = g.to_dense()
+    return torch.view_as_real(g) if g.is_complex() else g
+
+
+# -- modules whose forward reads their training flag ----------------------------------------------
+_READS_TRAINING = re.compile(r"\bself\.training\b|\btraining\s*=\s*self\.training\b")
+_SOURCE_CACHE: dict[type, bool] = {}
+
+
+def _class_reads_training(cls: type) -> bool:
+    """Whether a module class's own code (its MRO below nn.Module, torch.nn's classes left to
+    ``live_checks.mode_sensitive``) reads ``self.training``."""
+    if cls in _SOURCE_CACHE:
+        return _SOURCE_CACHE[cls]
+    found = False
+    for klass in cls.__mro__:
+        if klass is nn.Module or not issubclass(klass, nn.Module):
+            break
+        if klass.__module__.startswith("torch.nn."):
+            continue
+        try:
+            found = bool(_READS_TRAINING.search(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            found = False
+        if found:
+            break
+    _SOURCE_CACHE[cls] = found
+    return found
+
+
+def training_readers(model: nn.Module, known: Sequence[tuple[str, nn.Module]] = ()) -> list[tuple[str, nn.Module]]:
+    """Modules, beside ``known``, whose forward changes with ``training``: those whose code reads
+    ``self.training`` (functional dropout, stochastic depth, attention dropout), torch's RReLU,
+    and torch's attention and recurrent layers with dropout > 0. A module whose every parameter
+    is frozen is left out (eval mode is how a frozen part is meant to run)."""
+    seen = {id(m) for _, m in known}
+    found = []
+    for name, m in model.named_modules():
+        if id(m) in seen:
+            continue
+        params = list(m.parameters())
+        if params and not any(p.requires_grad for p in params):
+            continue
+        if isinstance(m, nn.RReLU) or (isinstance(m, (nn.MultiheadAttention, nn.RNNBase))
+                                       and float(getattr(m, "dropout", 0.0) or 0.0) > 0):
+            found.append((name or "<root>", m))
+        elif _class_reads_training(type(m)):
+            found.append((name or "<root>", m))
+    return found
+
+
+def recorder_error_hit(exc: BaseException, where: str) -> Hit:
+    cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}".rstrip(": ")
+    return ("recorder_error", "<recorder>", (
+        f"the recorder failed in {where} ({cause}); it stopped recording and the training goes on "
+        "(what was recorded before stays in the run folder)"), {"error": cause})
+
+

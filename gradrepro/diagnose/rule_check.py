@@ -1,0 +1,132 @@
+"""``update_mismatch``, live: on a logged step, every parameter's change across
+``optimizer.step()`` is what its optimizer's documented rule (``update_rule.predict``) makes of
+its gradient and its state. The rules of SGD, Adam and AdamW act entry by entry, so the check
+needs no copy of the model: the same few fixed entries of each tensor as its fingerprint
+(``invariants.Fingerprints``) are predicted in float64 from the gradient and the optimizer's
+state before the step, and compared with the entries after it.
+
+Tolerance: the predicted change within a relative 1e-3 (the float32 arithmetic of the
+optimizer's own kernels against float64), plus four units in the last place of the entry's
+value in the parameter's dtype (the rounding of the stored result).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from gradrepro.diagnose.invariants import SAMPLES, Fingerprints, Hit, _flat
+from gradrepro.diagnose.update_rule import predict, rule_name
+
+RTOL = 1e-3
+ULPS = 4.0
+
+
+def _pick(t: torch.Tensor, k: int) -> Optional[torch.Tensor]:
+    flat = _flat(t)
+    if flat is None or flat.numel() < k or k == 0:
+        return None
+    stride = flat.numel() // k
+    return flat[stride // 2::stride][:k]
+
+
+class UpdateRuleCheck:
+    """``predict`` at the optimizer's step pre-hook of a logged step, ``compare`` after it."""
+
+    def __init__(self, names: Sequence[str], params: Sequence[torch.Tensor], prints: Fingerprints,
+                 optimizer: Optional[torch.optim.Optimizer]) -> None:
+        self.names, self.params, self.optimizer = list(names), list(params), optimizer
+        self.enabled = (optimizer is not None and prints.enabled and rule_name(optimizer) in ("sgd", "adam"))
+        self._expected: list[tuple] = []  # per group: (tensor indices, entries each, before, predicted)
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+
+    def predict(self) -> None:
+        """Per param group, the sampled entries of every tensor with a gradient, concatenated and
+        predicted by one call of the rule (the rules act entry by entry; a group's tensors share
+        its hyperparameters). Tensors whose scalar state differs from the group's first (Adam's
+        ``step``) are predicted alone."""
+        self._expected = []
+        if not self.enabled:
+            return
+        with torch.no_grad():
+            for group in self.optimizer.param_groups:
+                batches: dict = {}
+                for p in group["params"]:
+                    picked = self._picked(p)
+                    if picked is not None:
+                        batches.setdefault(picked[3], []).append(picked)
+                for (_, scalars), members in ((key, m) for key, m in batches.items()):
+                    index = [m[0] for m in members]
+                    p_s = torch.cat([m[1] for m in members]).double()
+                    g_s = torch.cat([m[2] for m in members]).double()
+                    keys = members[0][4]
+                    state = dict(scalars)
+                    for key in keys:
+                        state[key] = torch.cat([m[5][key] for m in members]).double()
+                    predicted = predict(self.optimizer, group, p_s, g_s, state)
+                    if predicted is not None:
+                        sizes = [m[1].numel() for m in members]
+                        self._expected.append((index, sizes, p_s.clone(), predicted))
+
+    def _picked(self, p: torch.Tensor):
+        """(index, sampled entries of p and of its gradient, a key of its state's scalars and
+        tensor names, those names, the state's sampled tensors), or None."""
+        i = self._index.get(id(p))
+        if (i is None or p.dim() == 0 or p.grad is None or p.grad.is_sparse
+                or not (p.is_floating_point() or p.is_complex())):
+            return None
+        k = min(SAMPLES, p.numel() * (2 if p.is_complex() else 1))
+        p_s, g_s = _pick(p, k), _pick(p.grad, k)
+        if p_s is None or g_s is None:
+            return None
+        tensors, scalars = {}, []
+        for key, value in self.optimizer.state.get(p, {}).items():
+            if torch.is_tensor(value) and value.shape == p.shape:
+                value = _pick(value, k)
+                if value is None:
+                    return None
+                tensors[key] = value
+            else:
+                scalars.append((key, float(value) if torch.is_tensor(value) and value.numel() == 1 else value))
+        names = tuple(sorted(tensors))
+        try:
+            key = (names, tuple(scalars))
+            hash(key)
+        except TypeError:
+            return None
+        return i, p_s, g_s, key, names, tensors
+
+    def compare(self, step: int) -> list[Hit]:
+        expected, self._expected = self._expected, []
+        if not expected:
+            return []
+        bad = []
+        with torch.no_grad():
+            for index, sizes, before, predicted in expected:
+                now = torch.cat([_pick(self.params[i], n) for i, n in zip(index, sizes)]).double()
+                ulp = torch.tensor([torch.finfo(self.params[i].dtype if self.params[i].is_floating_point()
+                                                else torch.float32).eps for i, n in zip(index, sizes)
+                                    for _ in range(n)], dtype=torch.float64, device=now.device)
+                allowed = RTOL * (predicted - before).abs() + ULPS * ulp * torch.maximum(now.abs(), predicted.abs())
+                err = (now - predicted).abs()
+                over = (err > allowed).cpu().numpy()
+                if not over.any():
+                    continue
+                start = 0
+                for i, n in zip(index, sizes):
+                    part = over[start:start + n]
+                    if part.any():
+                        j = start + int(part.argmax())
+                        bad.append((i, float((now - before)[j]), float((predicted - before)[j])))
+                    start += n
+        if not bad:
+            return []
+        i, moved, wanted = bad[0]
+        shown = ", ".join(self.names[b[0]] for b in bad[:6]) + (" ..." if len(bad) > 6 else "")
+        rule = rule_name(self.optimizer)
+        return [("update_mismatch", self.names[i], (
+            f"{len(bad)} tensor(s) ({shown}) changed otherwise than the {type(self.optimizer).__name__} rule makes "
+            f"of the gradient and state the step found (an entry moved by {moved:.4g}; the {rule} rule predicts "
+            f"{wanted:.4g}): something else wrote the weights or the gradient during optimizer.step()"),
+            {"tensors_mismatched": len(bad), "moved": moved, "predicted": wanted})]

@@ -1,0 +1,360 @@
+"""The training step's invariants that ``gradrepro.record`` checks live
+(``gradrepro.diagnose.invariants``): each one found on its bug and silent on the healthy twin;
+the recorder's own failures as one ``recorder_error`` finding with training going on; lazy
+modules recorded; a meta-device model; bad input as one line."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradrepro
+from gradrepro.diagnose.live import FindingError, TrainingFinding
+from gradrepro.errors import UserError
+
+
+def _mlp(dropout: float = 0.0) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 3))
+
+
+def _data(n: int = 16):
+    x = torch.randn(n, 6)
+    return x, x[:, :3].argmax(1)
+
+
+def _train(tmp_path, model, opt, steps: int = 12, each=None, every: int = 4, micro: int = 1, reset=None,
+           set_to_none: bool = True, **options):
+    """The textbook loop (``micro`` backward passes a step); ``each(step)`` before each step,
+    ``reset(step, i)`` before each micro-batch. Returns the recorder and the live findings' kinds."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradrepro.record(model, opt, tmp_path / "run", every=every, activations=False, **options) as rec:
+            for step in range(steps):
+                if each is not None:
+                    each(step)
+                opt.zero_grad(set_to_none=set_to_none)
+                for i in range(micro):
+                    if reset is not None:
+                        reset(step, i)
+                    x, y = _data()
+                    (F.cross_entropy(model(x), y) / micro).backward()
+                opt.step()
+    warned = [str(w.message) for w in caught if issubclass(w.category, TrainingFinding)]
+    return rec, {(f.kind, f.step) for f in rec.live.found}, warned
+
+
+def _ema_loop(tmp_path, restore: bool):
+    model = _mlp()
+    ema = copy.deepcopy(model).requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def each(step):
+        with torch.no_grad():
+            for p, e in zip(model.parameters(), ema.parameters()):
+                e.mul_(0.9).add_(p, alpha=0.1)
+            if step == 6:  # validate with the EMA's weights
+                backup = [p.clone() for p in model.parameters()]
+                for p, e in zip(model.parameters(), ema.parameters()):
+                    p.copy_(e)
+                model(_data()[0])
+                if restore:
+                    for p, b in zip(model.parameters(), backup):
+                        p.copy_(b)
+    return _train(tmp_path, model, opt, each=each)
+
+
+def test_weights_swapped_in_and_not_restored_are_found_at_the_next_step(tmp_path):
+    rec, found, warned = _ema_loop(tmp_path, restore=False)
+    assert ("changed_between_steps", 6) in found  # an unlogged step (every=4): found at once, on CPU
+    finding = next(f for f in rec.live.found if f.kind == "changed_between_steps")
+    assert finding.evidence["tensors_changed"] == 4 and "EMA" in finding.detail
+    assert any("changed_between_steps" in w for w in warned)
+
+
+def test_weights_swapped_and_restored_are_silent(tmp_path):
+    _, found, warned = _ema_loop(tmp_path, restore=True)
+    assert found == set() and warned == []
+
+
+def test_an_edit_in_place_of_one_tensor_names_that_tensor(tmp_path):
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def each(step):
+        if step == 5:
+            with torch.no_grad():
+                model[3].weight.div_(model[3].weight.norm(dim=1, keepdim=True))
+    rec, found, _ = _train(tmp_path, model, opt, each=each)
+    assert found == {("changed_between_steps", 5)}
+    assert rec.live.found[0].name == "3.weight" and "in place" in rec.live.found[0].detail
+
+
+def _freeze_loop(tmp_path, drop_grads: bool):
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def each(step):
+        if step == 5:
+            model[0].requires_grad_(False)
+            if drop_grads:
+                for p in model[0].parameters():
+                    p.grad = None
+    return _train(tmp_path, model, opt, each=each, set_to_none=False)
+
+
+def test_a_frozen_tensor_moved_by_momentum_is_found(tmp_path):
+    rec, found, _ = _freeze_loop(tmp_path, drop_grads=False)
+    assert found == {("frozen_moved", 5)}
+    finding = next(f for f in rec.live.found if f.kind == "frozen_moved")
+    assert finding.name == "0.weight" and finding.evidence["tensors_moved"] == 2
+
+
+def test_a_frozen_tensor_without_a_gradient_stays_and_is_silent(tmp_path):
+    _, found, _ = _freeze_loop(tmp_path, drop_grads=True)
+    assert found == set()
+
+
+def test_gradients_reset_between_micro_batches_are_found(tmp_path):
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec, found, _ = _train(tmp_path, model, opt, micro=3, reset=lambda step, i: opt.zero_grad())
+    assert ("grad_reset_in_step", 0) in found
+    assert next(f for f in rec.live.found if f.kind == "grad_reset_in_step").evidence["tensors_reset"] == 4
+
+
+def test_accumulated_micro_batches_are_silent(tmp_path):
+    model = _mlp(0.1)
+    _, found, _ = _train(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1), micro=3)
+    assert found == set()
+
+
+def test_a_second_backward_after_the_weights_moved_is_silent(tmp_path):
+    """Sharpness-aware minimisation: the first gradient moved the weights before it was reset."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradrepro.record(model, opt, tmp_path / "run", every=1, activations=False) as rec:
+        for _ in range(6):
+            x, y = _data()
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            with torch.no_grad():
+                eps = [0.05 * p.grad / p.grad.norm() for p in model.parameters()]
+                for p, e in zip(model.parameters(), eps):
+                    p.add_(e)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            with torch.no_grad():
+                for p, e in zip(model.parameters(), eps):
+                    p.sub_(e)
+            opt.step()
+    assert rec.live.found == []
+
+
+class _FunctionalDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.b(F.dropout(F.relu(self.a(x)), 0.3, training=self.training))
+
+
+@pytest.mark.parametrize("left_in_eval", [True, False])
+def test_eval_mode_is_found_where_only_functional_dropout_reads_the_flag(tmp_path, left_in_eval):
+    model = _FunctionalDropout()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def each(step):
+        if step == 3:
+            model.eval()
+            if not left_in_eval:
+                model.train()
+    _, found, _ = _train(tmp_path, model, opt, each=each)
+    assert found == ({("eval_mode", 4)} if left_in_eval else set())
+
+
+def test_a_frozen_submodule_in_eval_mode_is_silent(tmp_path):
+    model = _FunctionalDropout()
+    model.a.requires_grad_(False)
+    opt = torch.optim.SGD(model.b.parameters(), lr=0.1)
+    _, found, _ = _train(tmp_path, model, opt, each=lambda step: model.a.eval())
+    assert found == set()
+
+
+# -- the recorder's own failures -------------------------------------------------------------------
+def _broken(monkeypatch):
+    from gradrepro.probe import probe
+
+    def fail(self):
+        raise ValueError("a failure of the probe itself")
+    monkeypatch.setattr(probe.Probe, "_collect", fail)
+
+
+def test_a_failing_recorder_is_one_finding_and_training_goes_on(tmp_path, monkeypatch):
+    _broken(monkeypatch)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    rec, found, warned = _train(tmp_path, model, opt, steps=9)
+    assert found == {("recorder_error", 0)}
+    assert "a failure of the probe itself" in rec.live.found[0].detail and len(warned) == 1
+    assert rec.step == 0 and rec.status == "completed"  # recording stopped at step 0; the run folder closed
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # all 9 steps trained
+
+
+def test_a_failing_recorder_raises_when_asked(tmp_path, monkeypatch):
+    _broken(monkeypatch)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="a failure of the probe itself"):
+        _train(tmp_path, model, opt, on_finding="raise")
+
+
+def test_a_lazy_module_is_recorded_from_its_first_step(tmp_path):
+    model = nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.LazyLinear(3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec, found, warned = _train(tmp_path, model, opt, steps=6)
+    assert found == set() and warned == [] and rec.step == 6
+    modules = pd.read_parquet(tmp_path / "run" / "modules.parquet")
+    assert sorted(modules["step"].unique()) == [0, 4]
+    assert set(modules.loc[modules["step"] == 0, "grad_state"]) == {"finite"}
+    assert len(modules[modules["step"] == 0]) == 4
+
+
+def test_a_meta_device_model_trains_with_one_finding_and_no_error(tmp_path):
+    model = nn.Linear(6, 3, device="meta")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with gradrepro.record(model, opt, tmp_path / "run", every=1) as rec:
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.randn(4, 6, device="meta")).sum().backward()
+                opt.step()
+    assert [f.kind for f in rec.live.found] == ["recorder_error"] and "meta device" in rec.live.found[0].detail
+    assert len([w for w in caught if issubclass(w.category, TrainingFinding)]) == 1
+
+
+# -- bad input: one line ------------------------------------------------------------------------------
+def _one_line(exc_info) -> str:
+    message = str(exc_info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_model_without_parameters_is_one_line(tmp_path):
+    with pytest.raises(UserError) as err:
+        gradrepro.record(nn.ReLU(), None, tmp_path / "run", hooks=False)
+    assert "no registered parameters" in _one_line(err)
+
+
+def test_an_optimizer_over_another_model_is_one_line(tmp_path):
+    model = nn.Linear(6, 3)
+    with pytest.raises(UserError) as err:
+        gradrepro.record(model, torch.optim.SGD(nn.Linear(6, 3).parameters(), lr=0.1), tmp_path / "run")
+    assert "none is a parameter of this Linear" in _one_line(err)
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_a_closed_recorder_logged_to_is_one_line(tmp_path):
+    model = nn.Linear(6, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = gradrepro.record(model, opt, tmp_path / "run")
+    rec.close()
+    with pytest.raises(UserError) as err:
+        rec.log(loss=1.0)
+    assert "closed recorder" in _one_line(err)
+    with pytest.raises(UserError) as err:
+        rec.before_step()
+    assert "closed recorder" in _one_line(err)
+
+
+def test_on_finding_raise_stops_at_an_invariant(tmp_path):
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(FindingError) as err:
+        _train(tmp_path, model, opt, micro=2, reset=lambda step, i: opt.zero_grad(), on_finding="raise")
+    assert err.value.findings[0].kind == "grad_reset_in_step"
+
+
+# -- the update rule, live ------------------------------------------------------------------------------
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "sgd_nesterov_wd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2),
+    "sgd_dampening_maximize": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5, dampening=0.3, maximize=True),
+    "adam_wd": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-2),
+    "adamw_amsgrad": lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True),
+    "adamw_foreach_off": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_updates_as_the_rule_predicts_are_silent(tmp_path, name):
+    model = _mlp()
+    _, found, _ = _train(tmp_path, model, OPTIMIZERS[name](model.parameters()), every=1, steps=6)
+    assert found == set()
+
+
+def test_a_gradient_changed_inside_the_step_is_an_update_mismatch(tmp_path):
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with gradrepro.record(model, opt, tmp_path / "run", every=2, activations=False, on_finding="log") as rec:
+        # a pre-hook added after the recorder's: the step uses another gradient than the one it was given
+        def flip(*_):
+            for p in model[0].parameters():
+                p.grad.mul_(-1.0)
+        opt.register_step_pre_hook(flip)
+        for _ in range(4):
+            opt.zero_grad()
+            x, y = _data()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    kinds = {(f.kind, f.step) for f in rec.live.found}
+    assert ("update_mismatch", 0) in kinds
+    finding = next(f for f in rec.live.found if f.kind == "update_mismatch")
+    assert finding.evidence["tensors_mismatched"] == 2 and finding.name == "0.weight"
+
+
+@pytest.mark.parametrize("zero_d", [False, True])
+def test_a_step_with_no_backward_from_a_reset_gradient_is_stale(tmp_path, zero_d):
+    """A second loss writes the recorded model's .grad between its steps (a generator's pass
+    through a discriminator): the discriminator's step is stale only if nothing resets it."""
+    torch.manual_seed(0)
+    gen, disc = nn.Linear(4, 6), _mlp()
+    opt_g, opt_d = torch.optim.SGD(gen.parameters(), lr=0.1), torch.optim.SGD(disc.parameters(), lr=0.1)
+    with gradrepro.record(disc, opt_d, tmp_path / "run", every=4, activations=False, on_finding="log") as rec:
+        for _ in range(9):
+            fake = gen(torch.randn(8, 4))
+            if zero_d:
+                opt_d.zero_grad()
+            (disc(torch.randn(8, 6)).logsumexp(1).mean() - disc(fake.detach()).logsumexp(1).mean()).backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            disc(fake).logsumexp(1).mean().backward()
+            opt_g.step()
+    assert {(f.kind, f.step) for f in rec.live.found} == (set() if zero_d else {("stale_gradient", 4)})
+
+
+def test_steps_a_grad_scaler_skips_while_its_scale_settles_are_silent(tmp_path):
+    """A scale so large that the first backward passes overflow: the scaler skips those steps and
+    the loop zeroes their non-finite gradients, as it must."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=3.0e38)
+    with gradrepro.record(model, opt, tmp_path / "run", every=1, activations=False, scaler=scaler,
+                          on_finding="log") as rec:
+        for _ in range(8):
+            opt.zero_grad()
+            x, y = _data()
+            scaler.scale(F.cross_entropy(model(x), y) * 100).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert scaler.get_scale() < 3.0e38  # steps were skipped
+    assert rec.live.found == []
