@@ -269,8 +269,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for kind, seeds in SEEDS_BY_KIND.items():
         parser.add_argument(
             f"--seeds-{kind}", type=int, nargs="+", default=list(seeds), metavar="SEED",
-            help=f"the seeds of a {kind} claim and its control (default {' '.join(map(str, seeds))}: "
-            "seeds no knob was chosen on)",
+            help=f"the seeds of an experiment whose claim kind is {kind}, and of its control (default "
+            f"{' '.join(map(str, seeds))}: seeds no knob was chosen on)",
         )
     parser.add_argument(
         "--jobs",
