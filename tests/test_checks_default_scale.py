@@ -1,5 +1,5 @@
 """The flip, measured: for every empirical failure experiment, the failure and its control at the
-default scale on the seeds no knob was chosen on (``report.DEFAULT_SEEDS``), each with the
+default scale on the seeds no knob was chosen on (``report.SEEDS_BY_KIND['empirical']``), each with the
 reference runs it makes itself. Each evidence check must hold on the failure and fail on the
 control on every seed; n/a on the control (it could not answer) fails the test too. Slow (minutes
 per pair on 2 cores): ``pytest -m slow``. The same runs are what ``python -m gradrepro.report``
@@ -14,7 +14,9 @@ import pytest
 from conftest import composed, experiment_names, multirun
 
 from gradrepro.analysis.compare import compare
-from gradrepro.analysis.report import DEFAULT_SEEDS
+from gradrepro.analysis.report import SEEDS_BY_KIND
+
+DEFAULT_SEEDS = SEEDS_BY_KIND["empirical"]
 
 
 def empirical_failures():

@@ -17,6 +17,7 @@ from gradrepro.analysis.checks import checks_table, margin, margins_table
 from gradrepro.analysis.compare import compare
 from gradrepro.measure.reference_runs import made_references
 from gradrepro.records.reader import load_runs
+from gradrepro.signature import quantity
 
 # A failure's signature: one evidence check on the loss, one relative to a reference run, one
 # context check that holds on both.
@@ -78,12 +79,12 @@ def test_one_row_per_failure_seed_and_check_with_both_sides(tmp_path):
 def test_the_control_answers_with_its_own_reference_runs_and_nothing_is_lent(tmp_path):
     write_pair(tmp_path / "own", 0, control_reference=True)
     write_pair(tmp_path / "none", 0)
-    own = table(tmp_path / "own").query("check == '1: loss'").iloc[0]
+    own = table(tmp_path / "own").query("check == '1: loss / loss[healthy]'").iloc[0]
     assert own["observed_failure"] == pytest.approx(2.3 / 0.3)
     assert own["observed_control"] == pytest.approx(0.3 / 0.25)  # against its replicate, not itself
     assert own["ok_failure"] and own["ok_control"] is False
     # Without a reference of its own the control cannot answer: n/a, never the failure's run lent.
-    bare = table(tmp_path / "none").query("check == '1: loss'").iloc[0]
+    bare = table(tmp_path / "none").query("check == '1: loss / loss[healthy]'").iloc[0]
     assert bare["ok_failure"] and bare["ok_control"] is None and math.isnan(bare["observed_control"])
     assert "healthy" in bare["note"] and "not recorded" in bare["note"]
     assert "control_refs" not in bare.index
@@ -121,7 +122,10 @@ def test_the_cli_writes_the_table_in_every_format(tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert "ok_control" in out.read_text()
     df = pd.read_csv(tmp_path / "checks.csv")
-    assert list(df["check"]) == [f"{i}: {c['metric']}" for i, c in enumerate(SIGNATURE["checks"])]
+    # each check named by the quantity it compares: the ratio to the reference run is not the loss
+    assert list(df["check"]) == [f"{i}: {quantity(c['metric'], c.get('params'))}"
+                                 for i, c in enumerate(SIGNATURE["checks"])]
+    assert list(df["check"])[:2] == ["0: loss", "1: loss / loss[healthy]"]
     proc = run_module("gradrepro.compare", str(tmp_path / "runs"), "--table", "checks", "--signatures", "cached",
                       timeout=120)
     assert proc.returncode == 2 and "--signatures" in proc.stderr and "current" in proc.stderr
@@ -134,7 +138,7 @@ def test_current_signatures_come_from_the_package_configs(tmp_path):
     tables, _, _ = compare([tmp_path], signatures="current")
     checks = tables["checks"]
     expected = compose_config(["experiment=glorot_standard"]).signature.checks
-    assert [c.split(": ")[1] for c in checks["check"]] == [c.metric for c in expected]
+    assert [c.split(": ")[1] for c in checks["check"]] == [quantity(c.metric, c.get("params")) for c in expected]
     assert set(checks["role"]) == {"evidence", "context"}
 
 

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pandas as pd
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -41,7 +42,31 @@ def test_one_column_one_quantity(a, b, metric):
 def test_a_reduced_value_is_not_named_as_the_metric():
     keys = check_keys([{"metric": "knn_acc", "params": {"reduce": "change", "window": 1}},
                        {"metric": "knn_acc", "params": {"window": 1}}])
-    assert keys == ["knn_acc[reduce=change]", "knn_acc"]
+    assert keys == ["knn_acc gain", "knn_acc"]
+
+
+def test_the_printed_verdict_names_the_gain_and_shows_it():
+    """A check on a gain prints the gain's name and the gain, in the run's printed table, in
+    summary.json's check (``quantity``) and in the checks table's ``check`` column."""
+    import math
+
+    from gradrepro.analysis.checks import checks_table  # noqa: F401 - the column is built there
+    from gradrepro.records.run import RunRecords
+    from gradrepro.signature import evaluate, format_verdict
+
+    scalars = pd.DataFrame({"step": [0, 10, 20], "linear_acc": [0.2, math.nan, 0.9], "loss": [0.0, -0.5, -0.9]})
+    signature = {"window": 1, "checks": [
+        {"metric": "linear_acc", "params": {"reduce": "change", "window": 1}, "op": ">=", "threshold": 0.067},
+        {"metric": "linear_acc", "params": {"window": 1}, "op": ">=", "threshold": 0.5},
+        {"metric": "loss", "params": {"relative_to": "fp32"}, "op": "<=", "threshold": 2, "role": "context"}]}
+    verdict = evaluate(signature, RunRecords(scalars, pd.DataFrame(), {}))
+    assert [c.quantity for c in verdict.checks] == ["linear_acc gain", "linear_acc", "loss / loss[fp32]"]
+    assert verdict.checks[0].observed == pytest.approx(0.7)
+    lines = format_verdict(verdict, "x").splitlines()
+    assert lines[1].split()[:2] == ["quantity", "observed"]
+    gain = next(line for line in lines[2:] if "gain" in line)
+    assert gain.split()[:4] == ["linear_acc", "gain", "0.7", ">="]
+    assert verdict.as_dicts()[0]["quantity"] == "linear_acc gain"
 
 
 def recording(folder: Path, experiment: str, control, versions: dict, seed: int = 0) -> Path:

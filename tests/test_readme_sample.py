@@ -10,6 +10,7 @@ from conftest import ROOT, compose_config
 from omegaconf import OmegaConf
 
 from gradrepro.signature.evaluate import CheckResult, Verdict, decide, format_verdict, holds
+from gradrepro.signature.quantity import quantity
 
 
 def readme_sample() -> list[str]:
@@ -22,16 +23,18 @@ def readme_sample() -> list[str]:
 def test_the_readme_sample_verdict_is_what_the_code_prints():
     lines = readme_sample()
     name = lines[0].split(":")[0]
-    observed = {}
-    for line in lines[2:]:
-        metric, value = line.split()[:2]
-        observed[metric] = float(value)
     cfg = compose_config([f"experiment={name}"])
     checks = OmegaConf.to_container(cfg.signature.checks, resolve=True)
-    assert sorted(observed) == sorted(c["metric"] for c in checks), "the sample's metrics are not the checks"
+    names = [quantity(c["metric"], c.get("params")) for c in checks]
+    observed = {}
+    for line in lines[2:]:  # a row starts with the quantity's name (a gain's has two words)
+        label = next((n for n in names if line.strip().startswith(n + " ")), None)
+        assert label, f"the sample's row {line!r} names no check"
+        observed[label] = float(line.strip()[len(label):].split()[0])
+    assert sorted(observed) == sorted(names), "the sample's quantities are not the checks"
     results = []
-    for c in checks:
-        value, threshold = observed[c["metric"]], float(c["threshold"])
+    for c, label in zip(checks, names):
+        value, threshold = observed[label], float(c["threshold"])
         results.append(CheckResult(c["metric"], value, c["op"], threshold, holds(value, c["op"], threshold),
                                    c.get("paper"), "", dict(c.get("params") or {}), c.get("role") or "evidence"))
     assert format_verdict(Verdict(decide(results), results), cfg.name, cfg.claim_kind).splitlines() == lines

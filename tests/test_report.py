@@ -23,6 +23,33 @@ def test_report_selects_experiments_from_configs_and_adds_controls():
         select_experiments(["zzz"])
 
 
+def test_report_seeds_by_claim_kind_and_a_control_runs_on_its_failures_seeds():
+    from gradrepro.analysis.report import DEFAULT_SEEDS, SEEDS_BY_KIND, seed_groups, seeds_of
+
+    kinds = {"fail": "empirical", "base": "empirical", "mech": "mechanism", "mech_base": "mechanism",
+             "mixed_base": "mechanism", "new_kind": "ours"}
+    controls = {"fail": "base", "mech": "mech_base", "new_kind": "mixed_base"}
+    by_kind = {"empirical": (100, 101, 102, 103, 104), "mechanism": (100, 101)}
+    seeds = seeds_of(list(kinds), by_kind, kinds.get, controls.get)
+    assert seeds["fail"] == seeds["base"] == (100, 101, 102, 103, 104)
+    assert seeds["mech"] == seeds["mech_base"] == (100, 101)
+    assert seeds["new_kind"] == seeds["mixed_base"] == DEFAULT_SEEDS  # a kind not listed: the strictest
+    assert seed_groups(seeds) == [((100, 101), ["mech", "mech_base"]),
+                                  ((100, 101, 102, 103, 104), ["base", "fail", "mixed_base", "new_kind"])]
+    # every empirical claim on at least 5 report seeds, none a development seed (0-9 on the pages)
+    assert len(SEEDS_BY_KIND["empirical"]) >= 5 and min(s for v in SEEDS_BY_KIND.values() for s in v) >= 10
+
+
+def test_report_seed_flags_refuse_repeats_and_negatives(capsys):
+    from gradrepro.analysis.report import main
+
+    for flags in (["--seeds-empirical", "3", "3"], ["--seeds-mechanism", "-1"], ["--seeds", "1", "1"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*flags, "--from-sweep", "nowhere"])
+        assert exit_info.value.code == 2
+        assert "--seeds distinct numbers >= 0" in capsys.readouterr().err
+
+
 def test_sweep_command_is_one_joblib_multirun(tmp_path):
     from gradrepro.analysis.report import sweep_command
 

@@ -49,7 +49,8 @@ def test_the_predictors_lr_is_not_decayed_while_the_rest_follows_the_cosine():
     predictor = {id(p) for p in t.net.predictor.parameters()}
     assert {id(p) for p in groups[1]["params"]} == predictor
     assert predictor.isdisjoint(id(p) for p in groups[0]["params"])
-    assert cfg.optim.lr == pytest.approx(0.05 * cfg.data.batch_size / 256)  # Sec. 4: 0.05 x B / 256
+    # Sec. 4: 0.05 x B / 256 at the paper's base batch 256, kept per step at the default's 128
+    assert cfg.optim.lr == pytest.approx(0.05 * 256 / 256)
     for _ in range(cfg.train.steps // 2):
         t.optimizer.step()
         t.scheduler.step()
@@ -107,19 +108,18 @@ def test_a_tiny_run_records_linear_and_knn_accuracy_with_their_values_at_init(tm
     assert records.scalars["linear_acc"].notna().sum() == 3  # before step 0, at step 3, at the end
 
 
-# The verdicts measured on the final seeds (no knob was chosen on them), as the page's table
-# records them (experiments/simsiam.md, "Measured"): a regression pin, not a claim.
+# The verdicts measured on held-out seeds (no knob was chosen on them), as the page's table
+# records them (experiments/simsiam.md, "Held-out seeds"): a regression pin, not a claim. The
+# pair does not reproduce on every seed (1001 fails on both sides), and the pin says so.
 MEASURED_VERDICTS = {
-    ("simsiam_baseline", 100): False, ("simsiam_baseline", 101): True,
-    ("simsiam_nostopgrad", 100): True, ("simsiam_nostopgrad", 101): False,
-    ("simsiam_nopredictor", 100): False, ("simsiam_nopredictor", 101): False,
-    ("simsiam_frozen_predictor", 100): False, ("simsiam_frozen_predictor", 101): False,
+    ("simsiam_baseline", 1000): True, ("simsiam_baseline", 1001): False,
+    ("simsiam_nostopgrad", 1000): True, ("simsiam_nostopgrad", 1001): False,
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,seed", list(MEASURED_VERDICTS))
-def test_default_scale_verdicts_on_the_final_seeds_are_the_pages(tmp_path, name, seed):
+def test_default_scale_verdicts_on_held_out_seeds_are_the_pages(tmp_path, name, seed):
     cfg, summary, records = run_experiment(tmp_path, name, f"seed={seed}")
     shown = OmegaConf.to_yaml(cfg.signature) + str(summary["checks"])
     assert summary["reproduced"] is MEASURED_VERDICTS[name, seed], shown

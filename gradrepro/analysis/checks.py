@@ -111,7 +111,7 @@ def checks_table(runs: Sequence[Run], knobs: Sequence[str] = (), signatures: str
             rows.append({
                 "experiment": failure.experiment, "control": failure.control,
                 "claim_kind": failure.summary.get("claim_kind"), **knob_values,
-                "seed": _seed(failure), "check": f"{i}: {check.metric}", "role": check.role,
+                "seed": _seed(failure), "check": f"{i}: {check.quantity}", "role": check.role,
                 "op": check.op, "threshold": check.threshold, "ok_failure": check.ok,
                 "ok_control": None if math.isnan(observed_control) else other.ok,
                 "observed_failure": check.observed, "observed_control": observed_control,

@@ -1,8 +1,8 @@
 """``python -m gradrepro.report``: the reference reproduction table in ``results/README.md``.
 
 Runs every experiment (the list comes from ``gradrepro/configs/experiment/**.yaml``) at its default
-scale on seeds no knob was chosen on (``DEFAULT_SEEDS``; each experiment's page says which seeds
-its knobs were chosen on), as one Hydra multirun on the joblib launcher, then writes:
+scale on seeds no knob was chosen on, as Hydra multiruns on the joblib launcher (one per seed
+set), then writes:
 
 - ``results/README.md``: what the verdicts prove (claim kinds; every failure's checks against
   its control over the seeds, the margins table; ``analysis/evidence_report.py``), under the
@@ -16,6 +16,13 @@ its knobs were chosen on), as one Hydra multirun on the joblib launcher, then wr
 
 Everything the report shows comes from each experiment's config (``claim``, ``control``,
 ``signature.checks[].paper``, ``paper``), so a new experiment needs no change here.
+Seeds, by claim kind (``SEEDS_BY_KIND``): an empirical claim (a paper's measurement, measured
+again) could come out either way, so it and its control run on 5 report seeds; a mechanism's
+symptom follows from its config, so 2 do. A control runs on the seeds of every experiment it
+controls. No report seed is a development seed: each page names the seeds its knobs were chosen
+on (0 to 9 at most). ``--seeds`` gives every experiment the same seeds; ``--seeds-KIND`` (e.g.
+``--seeds-empirical``) changes one kind's.
+
 ``--experiments`` restricts the set (fnmatch patterns, controls are added); ``--quick``
 runs ``scale=tiny`` to check the pipeline in seconds (not a reference result);
 ``--from-sweep DIR`` rewrites the report from an existing sweep without running.
@@ -32,7 +39,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import pandas as pd
 
@@ -59,8 +66,12 @@ from gradrepro.records.reader import Run
 PACKAGE_PARENT = Path(gradrepro.__file__).resolve().parent.parent
 EXIT_FAILED = 1
 # Seeds no knob of any experiment was chosen on (the pages list the seeds each was chosen on:
-# 0 to 7 at most).
-DEFAULT_SEEDS = (100, 101)
+# 0 to 9 at most), by claim kind: an empirical verdict is a measurement that could have come out
+# either way, so it is counted over 5 seeds; a mechanism's symptom follows from its config, and
+# 2 seeds show that it does not depend on one draw.
+SEEDS_BY_KIND: Dict[str, Tuple[int, ...]] = {"empirical": (100, 101, 102, 103, 104), "mechanism": (100, 101)}
+# The seeds of a kind not listed (the strictest: an empirical claim's).
+DEFAULT_SEEDS = SEEDS_BY_KIND["empirical"]
 
 
 def select_experiments(patterns: Optional[Sequence[str]]) -> List[str]:
@@ -84,6 +95,34 @@ def select_experiments(patterns: Optional[Sequence[str]]) -> List[str]:
 def _control_of(name: str) -> Optional[str]:
     """The experiment's ``control``, from its composed config."""
     return compose([f"experiment={name}"]).control
+
+
+def _kind_of(name: str) -> Optional[str]:
+    return compose([f"experiment={name}"]).claim_kind
+
+
+def seeds_of(experiments: Sequence[str], by_kind: Mapping[str, Sequence[int]],
+             kind_of=_kind_of, control_of=_control_of) -> Dict[str, Tuple[int, ...]]:
+    """Each experiment's report seeds: its claim kind's (``by_kind``; a kind not listed gets
+    ``DEFAULT_SEEDS``), and a control also every seed of the experiments it controls, so that
+    each failure has its control's run of the same seed beside it."""
+    def kind_seeds(name: str) -> set:
+        return set(by_kind.get(kind_of(name) or "empirical", DEFAULT_SEEDS))
+
+    seeds = {name: kind_seeds(name) for name in experiments}
+    for name in experiments:
+        control = control_of(name)
+        if control in seeds:
+            seeds[control] |= kind_seeds(name)
+    return {name: tuple(sorted(s)) for name, s in seeds.items()}
+
+
+def seed_groups(seeds: Mapping[str, Sequence[int]]) -> List[Tuple[Tuple[int, ...], List[str]]]:
+    """The experiments grouped by their seeds: one multirun per group."""
+    groups: Dict[Tuple[int, ...], List[str]] = {}
+    for name, own in seeds.items():
+        groups.setdefault(tuple(own), []).append(name)
+    return sorted((key, sorted(names)) for key, names in groups.items())
 
 
 def sweep_command(
@@ -145,7 +184,7 @@ def claims_table(
                     "experiment": experiment,
                     "claim": kind,
                     "role": check.get("role") or "evidence",
-                    "check": f"{check.get('metric')} {check.get('op')} "
+                    "check": f"{key} {check.get('op')} "
                     f"{float(check.get('threshold')):.4g}",
                     "paper": check.get("paper") or "",
                     "measured (mean ± std)": _mean_std(done[key]) if key in done else "n/a",
@@ -226,10 +265,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="only these experiments (fnmatch patterns; their controls are added)",
     )
     parser.add_argument(
-        "--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS), metavar="SEED",
-        help=f"the seeds of every experiment (default {' '.join(map(str, DEFAULT_SEEDS))}: seeds no knob "
-        "was chosen on)",
+        "--seeds", type=int, nargs="+", metavar="SEED",
+        help="the seeds of every experiment, whatever its claim kind (default: by kind, below)",
     )
+    for kind, seeds in SEEDS_BY_KIND.items():
+        parser.add_argument(
+            f"--seeds-{kind}", type=int, nargs="+", default=list(seeds), metavar="SEED",
+            help=f"the seeds of an experiment whose claim kind is {kind}, and of its control (default "
+            f"{' '.join(map(str, seeds))}: seeds no knob was chosen on)",
+        )
     parser.add_argument(
         "--jobs",
         type=int,
@@ -261,7 +305,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "overrides", nargs="*", help="extra overrides for every run (e.g. threads=1)"
     )
     args = parser.parse_args(argv)
-    if min(args.jobs, args.threads) < 1 or min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds):
+    args.seeds_by_kind = {kind: args.seeds or getattr(args, f"seeds_{kind}") for kind in SEEDS_BY_KIND}
+    if min(args.jobs, args.threads) < 1 or any(
+            min(s) < 0 or len(set(s)) < len(s) for s in args.seeds_by_kind.values()):
         parser.error("--jobs and --threads must be >= 1, and --seeds distinct numbers >= 0")
     return exit_on_user_error("gradrepro.report", _report_main, args)  # an unwritable output: one line
 
@@ -280,19 +326,22 @@ def _report_main(args: argparse.Namespace) -> int:
         experiments = select_experiments(args.experiments)
         stamp = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
         sweep_dir = args.sweep_dir or Path("results") / "sweeps" / f"report-{stamp}"
-        command = sweep_command(experiments, args.seeds, args.jobs, sweep_dir, extra + speed)
-        print("gradrepro.report: running " + " ".join(command[1:]), file=sys.stderr)
+        groups = seed_groups(seeds_of(experiments, args.seeds_by_kind))
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(PACKAGE_PARENT), os.environ.get("PYTHONPATH")])),
         }
-        proc = subprocess.run(command, env=env)
-        if proc.returncode != 0:
-            print(
-                f"gradrepro.report: the sweep exited with {proc.returncode}; "
-                "writing the report from what it left",
-                file=sys.stderr,
-            )
+        for seeds, names in groups:  # one multirun per seed set, each in its own folder
+            folder = sweep_dir / ("seeds-" + "-".join(map(str, seeds))) if len(groups) > 1 else sweep_dir
+            command = sweep_command(names, seeds, args.jobs, folder, extra + speed)
+            print("gradrepro.report: running " + " ".join(command[1:]), file=sys.stderr)
+            proc = subprocess.run(command, env=env)
+            if proc.returncode != 0:
+                print(
+                    f"gradrepro.report: the sweep exited with {proc.returncode}; "
+                    "writing the report from what it left",
+                    file=sys.stderr,
+                )
     tables, runs, warnings = compare([sweep_dir])
     if not runs:
         print(f"gradrepro.report: error: no readable runs in {sweep_dir}", file=sys.stderr)

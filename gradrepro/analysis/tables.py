@@ -29,30 +29,17 @@ from gradrepro.analysis.fit_width import WIDTH, markdown_within
 from gradrepro.analysis.versions import version_columns, version_warnings
 from gradrepro.records.reader import Run, signature_of
 from gradrepro.signature import evaluate
+from gradrepro.signature import quantity as signature_quantity
 
 TABLES = ("runs", "groups", "pairs", "checks", "margins")
 _TAIL = ("final_loss", "steps", "wall_s")
 
 
-# A check's params that smooth one quantity (the mean of its last N values) rather than choose
-# another: they leave its column name as it is.
-_SMOOTHING = ("window",)
-
-
 def quantity(check: Dict[str, Any]) -> str:
-    """What a check measures, as a column name: the metric, qualified by the params that make
-    it another quantity (``knn_acc[reduce=change]`` is a gain, not an accuracy), so that one
-    column holds one quantity across runs."""
-    metric = str(check.get("metric"))
-    params = check.get("params") or {}
-    shown = sorted((str(k), v) for k, v in params.items() if k not in _SMOOTHING) if isinstance(params, dict) else []
-    if not shown:
-        return metric
-    return f"{metric}[{','.join(f'{k}={_short(v)}' for k, v in shown)}]"
-
-
-def _short(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    """What a check measures, as a column name (``signature.quantity``: ``knn_acc gain`` is a
+    gain, not an accuracy), so that one column holds one quantity across runs."""
+    params = check.get("params")
+    return signature_quantity(str(check.get("metric")), params if isinstance(params, dict) else {})
 
 
 def check_keys(checks: Sequence[Dict[str, Any]]) -> List[str]:

@@ -63,6 +63,19 @@ class SimSiamNet(nn.Module):
         z = self.projector(self.backbone(x))  # NxD
         return z, self.predictor(z)  # NxD, NxD
 
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the projector's output before its output BN, z, p): the forward pass, with the
+        pre-BN output kept. Without an output BN (``head_bn`` hidden or none) it is z itself."""
+        pre = self.backbone(x)
+        for layer in self.projector[:-1]:
+            pre = layer(pre)
+        last = self.projector[-1]
+        if isinstance(last, nn.BatchNorm1d):
+            z = last(pre)  # NxD
+        else:
+            pre = z = last(pre)
+        return pre, z, self.predictor(z)
+
 
 def negative_cosine(p: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return -F.cosine_similarity(p.float(), z.float(), dim=1).mean()
@@ -73,8 +86,17 @@ def output_std(z: torch.Tensor) -> torch.Tensor:
     return F.normalize(z.detach().float(), dim=1).std(dim=0).mean()
 
 
+def channel_variance(pre: torch.Tensor) -> torch.Tensor:
+    """Per-channel variance over the batch (biased, as BN's train-mode normalisation uses) of
+    the projector's output before its output BN: BN divides by sqrt(var + eps), so z can
+    shrink in train mode only where this variance approaches BN's eps (1e-5)."""
+    return pre.detach().float().var(dim=0, unbiased=False)
+
+
 class SimSiam:
-    TRAIN_SCALARS = ("z_std", "p_std")
+    # z_std, p_std: the collapse statistic of z and of p; zpre_var (median over channels) and
+    # zpre_var_min: the projector's output variance before its output BN, against BN's eps.
+    TRAIN_SCALARS = ("z_std", "p_std", "zpre_var", "zpre_var_min")
     # linear_acc: the paper's measure (linear evaluation of the frozen backbone); knn_acc: a
     # monitor beside it.
     EVAL_SCALARS = ("linear_acc", "knn_acc")
@@ -88,7 +110,7 @@ class SimSiam:
     def __call__(self, net: nn.Module, batch: Batch) -> LossOutput:
         if batch.x2 is None:
             raise ValueError("SimSiam needs two views: set data.views=true")
-        z1, p1 = net(batch.x)
+        pre1, z1, p1 = net.heads(batch.x)
         z2, p2 = net(batch.x2)
         if self.cfg.stop_gradient:
             z1, z2 = z1.detach(), z2.detach()
@@ -96,7 +118,8 @@ class SimSiam:
         return LossOutput(
             terms["p1_z2"] + terms["p2_z1"],
             terms=terms,
-            scalars={"z_std": output_std(z1), "p_std": output_std(p1)},
+            scalars={"z_std": output_std(z1), "p_std": output_std(p1),
+                     "zpre_var": channel_variance(pre1).median(), "zpre_var_min": channel_variance(pre1).min()},
         )
 
     @torch.no_grad()

@@ -120,6 +120,7 @@ def check_entry(where: str, check: Any) -> None:
     text(f"{where}.paper", check.get("paper"), optional=True)
     text(f"{where}.note", check.get("note"), optional=True)
     name(f"{where}.role", check.get("role"), optional=True)
+    text(f"{where}.quantity", check.get("quantity"), optional=True)
     items(f"{where}.params", check.get("params"), dict)
     _each(f"{where}.params", check.get("params"), plain)
 

@@ -19,8 +19,9 @@ from gradrepro.signature.evaluate import (
     reduce_series,
     verdict_word,
 )
+from gradrepro.signature.quantity import quantity
 from gradrepro.signature.registry import METRIC_NEEDS, METRICS, metric
 
 __all__ = ["DIFFERENCES", "METRIC_NEEDS", "METRICS", "OPS", "ROLES", "TRANSFORMS", "VERDICT_WORDS", "CheckResult",
-           "Verdict", "decide", "evaluate", "format_verdict", "metric", "metric_ratio", "observe", "reduce_series",
-           "verdict_word"]
+           "Verdict", "decide", "evaluate", "format_verdict", "metric", "metric_ratio", "observe", "quantity",
+           "reduce_series", "verdict_word"]

@@ -25,6 +25,7 @@ import gradrepro.signature.metrics  # noqa: F401 - every family registers its me
 from gradrepro.numerics import ratio
 from gradrepro.records.run import RunRecords
 from gradrepro.records.summary_schema import CLAIM_KINDS
+from gradrepro.signature.quantity import quantity
 from gradrepro.signature.registry import METRICS, why_nan
 
 ROLES = ("evidence", "context")
@@ -47,6 +48,13 @@ class CheckResult:
     note: str = ""
     params: Dict[str, Any] = field(default_factory=dict)  # how the metric was read
     role: str = "evidence"  # evidence decides the verdict; context is shown, never decisive
+    # What ``observed`` is, as tables print it (``signature.quantity``): ``linear_acc gain``
+    # for a check with ``reduce: change``, the metric itself where no param changes it.
+    quantity: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.quantity:
+            self.quantity = quantity(self.metric, self.params)
 
 
 @dataclass
@@ -188,10 +196,12 @@ def verdict_word(reproduced: Optional[bool], claim_kind: Optional[str]) -> str:
 
 
 def format_verdict(verdict: Verdict, name: str, claim_kind: Optional[str] = "empirical") -> str:
-    """The short table printed at the end of a run, headed by what the verdict proves."""
+    """The short table printed at the end of a run, headed by what the verdict proves. Each row
+    names the quantity compared (``linear_acc gain``, not ``linear_acc``, for a gain) and its
+    observed value."""
     rows = [
         {
-            "metric": c.metric,
+            "quantity": c.quantity,
             "observed": "n/a" if math.isnan(c.observed) else f"{c.observed:.4g}",
             "check": f"{c.op} {c.threshold:.4g}",
             "role": c.role,
