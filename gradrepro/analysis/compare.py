@@ -31,6 +31,7 @@ from gradrepro.analysis.compare_figure import plot_runs
 from gradrepro.analysis.fit_width import WIDTH
 from gradrepro.analysis.tables import TABLES, build_tables, render
 from gradrepro.errors import UserError, exit_on_user_error
+from gradrepro.records.claim import refuse_inside_records
 from gradrepro.records.files import atomic_write, check_output_file, check_path_length, write_output
 from gradrepro.records.reader import Run, load_runs
 
@@ -114,6 +115,9 @@ def _compare_main(args: argparse.Namespace) -> int:
         check_path_length(path, "PATH")
     out = check_output_file(args.out, "--out") if args.out else None
     plot = check_output_file(args.plot, "--plot") if args.plot else None
+    for given, what in ((args.out, "--out"), (args.plot, "--plot")):
+        if given is not None:  # never over a run, a sweep or anything this command reads
+            refuse_inside_records(given, args.paths, what)
     try:
         tables, runs, warnings = compare(args.paths, args.by, args.signatures)
     except KeyError as exc:
@@ -129,7 +133,7 @@ def _compare_main(args: argparse.Namespace) -> int:
     which = [t for t in (TABLES if args.table == "all" else (args.table,)) if not tables[t].empty]
     skipped = [t for t in (TABLES if args.table == "all" else (args.table,)) if tables[t].empty]
     if args.format == "csv":  # one table per file: each one pandas.read_csv reads
-        _write_csv(tables, which, out, len(runs))
+        _write_csv(tables, which, out, len(runs), args.paths)
     else:
         text = render(tables, args.format, which, width=None if args.wide else WIDTH)
         if out:
@@ -160,7 +164,8 @@ def csv_paths(out: Path, names: Sequence[str]) -> Dict[str, Path]:
             for i, name in enumerate(names)}
 
 
-def _write_csv(tables: Dict[str, pd.DataFrame], which: Sequence[str], out: Optional[Path], n_runs: int) -> None:
+def _write_csv(tables: Dict[str, pd.DataFrame], which: Sequence[str], out: Optional[Path], n_runs: int,
+               inputs: Sequence[Path] = ()) -> None:
     if not which:
         return
     if out is None:  # stdout holds one file: the first table; the others need --table or --out
@@ -170,6 +175,8 @@ def _write_csv(tables: Dict[str, pd.DataFrame], which: Sequence[str], out: Optio
                   f"{'|'.join(which[1:])} for another, or --out FILE.csv for each in its own file", file=sys.stderr)
         return
     paths = {name: check_output_file(path, "--out") for name, path in csv_paths(out, which).items()}
+    for path in paths.values():
+        refuse_inside_records(path, inputs, "--out")
     for name, path in paths.items():
         text = render(tables, "csv", (name,))
         write_output(path, lambda tmp, t=text: Path(tmp).write_text(t), "--out")
