@@ -6,10 +6,13 @@ is one line and a non-zero exit, and the run folders hash the same before and af
 from __future__ import annotations
 
 import hashlib
+import io
+import json
 import os
 import shutil
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from conftest import assert_clean_error, compose_config, run_module
@@ -129,3 +132,23 @@ def test_a_file_or_a_dangling_link_is_named_as_such(tmp_path):
         with pytest.raises(UserError, match=said):
             claims.claim(path, "hydra.run.dir")
     assert (tmp_path / "file").read_text() == "mine" and not (tmp_path / "nowhere").exists()
+
+
+def test_an_unknown_plot_metric_is_one_line_naming_the_recorded_ones(sweep, tmp_path, capsys):
+    line = compare_line(capsys, sweep, "--plot", tmp_path / "cmp.png", "--metric", "grad_nrom")
+    assert "grad_nrom" in line and "grad_norm" in line and "grad_to_param" in line
+    assert not (tmp_path / "cmp.png").exists()
+    assert compare_cli.main([str(sweep), "--plot", str(tmp_path / "cmp.png"), "--metric", "grad_to_param"]) == 0
+
+
+def test_a_summary_that_claims_another_experiment_is_skipped_with_one_warning(sweep, tmp_path, capsys):
+    edited = tmp_path / "edited"
+    shutil.copytree(sweep / "seed=0", edited)
+    summary = json.loads((edited / "summary.json").read_text())
+    (edited / "summary.json").write_text(json.dumps({**summary, "experiment": "simsiam_baseline"}))
+    code = compare_cli.main([str(edited), str(sweep / "seed=1"), "--table", "runs", "--format", "csv"])
+    captured = capsys.readouterr()
+    assert code == 0
+    warnings = [line for line in captured.err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "simsiam_baseline" in warnings[0] and "simsiam_nostopgrad" in warnings[0]
+    assert list(pd.read_csv(io.StringIO(captured.out))["experiment"]) == ["simsiam_nostopgrad"]

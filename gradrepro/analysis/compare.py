@@ -27,7 +27,7 @@ import pandas as pd
 from hydra.experimental.callback import Callback
 
 from gradrepro.analysis.checks import SIGNATURE_SOURCES
-from gradrepro.analysis.compare_figure import plot_runs
+from gradrepro.analysis.compare_figure import metric_columns, plot_runs
 from gradrepro.analysis.fit_width import WIDTH
 from gradrepro.analysis.tables import TABLES, build_tables, render
 from gradrepro.errors import UserError, exit_on_user_error
@@ -130,6 +130,11 @@ def _compare_main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_NOTHING_READABLE
+    if plot:  # an unknown --metric would draw nothing: one line, before anything is written
+        known = metric_columns(runs)
+        if known and args.metric not in known:
+            raise UserError(f"--metric {args.metric!r} is not recorded by these runs: choose from "
+                            f"{', '.join(known)}")
     which = [t for t in (TABLES if args.table == "all" else (args.table,)) if not tables[t].empty]
     skipped = [t for t in (TABLES if args.table == "all" else (args.table,)) if tables[t].empty]
     if args.format == "csv":  # one table per file: each one pandas.read_csv reads
