@@ -5,11 +5,14 @@ is one line and a non-zero exit, and the run folders hash the same before and af
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
+import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -152,3 +155,59 @@ def test_a_summary_that_claims_another_experiment_is_skipped_with_one_warning(sw
     warnings = [line for line in captured.err.splitlines() if "warning" in line]
     assert len(warnings) == 1 and "simsiam_baseline" in warnings[0] and "simsiam_nostopgrad" in warnings[0]
     assert list(pd.read_csv(io.StringIO(captured.out))["experiment"]) == ["simsiam_nostopgrad"]
+
+
+class _FullDisk:
+    """A log file's stream on a full disk: every write fails with ENOSPC."""
+
+    def write(self, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def flush(self):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def close(self):
+        pass
+
+
+def test_a_full_disk_mid_run_is_one_line_not_logging_tracebacks(tmp_path, monkeypatch, capsys):
+    """The log file and the records' last writes on a full disk: the run's own one-line ending,
+    and not logging's "--- Logging error ---" with a traceback for each record it could not write."""
+    from gradrepro import cli
+
+    real_replace = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        if str(dst).endswith(".parquet"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(logging.FileHandler, "_open", lambda self: _FullDisk())
+    argv = [*TINY, f"hydra.run.dir={tmp_path / 'run'}"]
+    monkeypatch.setattr(sys, "argv", ["gradrepro", *argv])  # hydra.main reads sys.argv
+    with pytest.raises(SystemExit) as ended:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert ended.value.code == 1
+    assert "Logging error" not in err and "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "No space left on device" in lines[0] and "incomplete" in lines[0], err
+    assert logging.Handler.handleError is not cli._quiet_log_errors  # the process's logging is given back
+
+
+def test_a_log_handler_that_cannot_write_is_remembered_once(capsys):
+    from gradrepro import cli
+
+    handler = logging.FileHandler("/nonexistent-gradrepro/x.log", delay=True)
+    handler.stream = _FullDisk()
+    record = logging.LogRecord("gradrepro", logging.WARNING, __file__, 1, "disk", None, None)
+    try:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError:
+        cli._quiet_log_errors(handler, record)
+        cli._quiet_log_errors(handler, record)
+    cli._say_log_failures()
+    cli._LOG_FAILURES.clear()
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "x.log" in lines[0] and "No space left on device" in lines[0]
