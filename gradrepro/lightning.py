@@ -14,8 +14,9 @@ gradients are read where the optimizer uses them: after the closure Lightning ha
 where AMP's scaler runs the closure first; so after backward, accumulation, AMP unscaling and
 ``gradient_clip_val``, as ``grad_norm`` is defined. The loss is the mean of the step's
 micro-batch losses as ``training_step`` returned them (Lightning hands the callback each one
-divided by ``accumulate_grad_batches``). Every process records (the statistics of a sharded or replicated tensor are of the full tensor, from every
-process's part); the global-zero process writes the run folder.
+divided by ``accumulate_grad_batches``). Every process records (the statistics of a sharded or
+replicated tensor are of the full tensor, from every process's part); the global-zero process
+writes the run folder.
 """
 
 from __future__ import annotations

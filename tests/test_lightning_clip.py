@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
-import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 

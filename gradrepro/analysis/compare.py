@@ -137,6 +137,12 @@ def _compare_main(args: argparse.Namespace) -> int:
                             f"{', '.join(known)}")
     which = [t for t in (TABLES if args.table == "all" else (args.table,)) if not tables[t].empty]
     skipped = [t for t in (TABLES if args.table == "all" else (args.table,)) if tables[t].empty]
+    if len(runs) == 1 and args.table == "all" and args.format != "csv":
+        # One run: the groups repeat its row, and the checks and margins set it beside a control
+        # that is not there. Its row holds every check; --table NAME prints another.
+        which, skipped = [t for t in which if t == "runs"], []
+        print("gradrepro.compare: note: one run: its row only (the other tables compare runs: seeds, "
+              "its control); --table NAME for one of them", file=sys.stderr)
     if args.format == "csv":  # one table per file: each one pandas.read_csv reads
         _write_csv(tables, which, out, len(runs), args.paths)
     else:
