@@ -399,7 +399,8 @@ def _check_same_params(net: nn.Module, held: list) -> None:
 
 
 def _check_scalar(name: str, value: Any) -> None:
-    """``rec.log`` takes numbers: a bool, int or float, a numpy number, a one-element tensor."""
+    """``rec.log`` takes numbers: a bool, int or float, a numpy number, a one-element tensor, an
+    object with ``__float__``."""
     if torch.is_tensor(value):
         if value.numel() != 1:
             raise UserError(f"rec.log({name}=...): a tensor of shape {tuple(value.shape)} is not one number; "
@@ -410,6 +411,8 @@ def _check_scalar(name: str, value: Any) -> None:
     if isinstance(value, numbers.Real) or (isinstance(value, np.ndarray) and value.size == 1
                                            and np.issubdtype(value.dtype, np.number)):
         return
+    if hasattr(type(value), "__float__") and not isinstance(value, (str, bytes, complex)):
+        return  # a number of its own kind, read (float()) only if its step is logged
     raise UserError(f"rec.log({name}=...): {type(value).__name__} {_short(value)} is not a number; log numbers "
                     "or one-element tensors (a column of the scalars table)")
 

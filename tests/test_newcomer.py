@@ -80,3 +80,29 @@ def test_compare_on_one_run_prints_its_row(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "linear top-1 0.1 without" in out and "Margins" not in out and "Groups" not in out
     assert len(out.splitlines()) <= 25
+
+
+def test_the_run_figure_keeps_threshold_labels_off_the_curves_and_titles():
+    import pandas as pd
+
+    from gradrepro.records.figure import signals_figure
+
+    scalars = pd.DataFrame({"step": [0, 1, 2], "loss": [0.0, -0.5, -0.9], "z_std": [0.1, 0.05, 0.06],
+                            "knn_acc": [0.3, 0.2, 0.21], "linear_acc": [0.1, 0.2, 0.22]})
+    fig = signals_figure(scalars, pd.DataFrame(), "t", "z_std",
+                         {"z_std": [0.0625], "knn_acc": [0.213], "linear_acc": [0.213]})
+    axes = fig.get_axes()
+    assert not [t.get_text() for ax in axes for t in ax.texts]  # nothing written inside a panel
+    titles = [ax.get_title() for ax in axes]
+    assert "loss and z_std (dashed: z_std threshold 0.0625)" in titles
+    assert "knn_acc (checked; dashed: threshold 0.213)" in titles
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # drawn as saved: a panel's tick labels never reach a title
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    titles = [ax.title.get_window_extent(renderer) for ax in axes if ax.get_title()]
+    ticks = [t.get_window_extent(renderer) for ax in axes for t in ax.get_xticklabels()
+             if t.get_visible() and t.get_text()]
+    assert titles and ticks
+    assert not [(a, b) for a in titles for b in ticks if a.overlaps(b)]
