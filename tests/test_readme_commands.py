@@ -4,10 +4,10 @@ traceback. Slow (it installs torch into a new venv): ``pytest -m slow tests/test
 
 Offline: pip installs with ``--no-index`` from what its configuration already finds
 (``PIP_FIND_LINKS``, a local wheel folder); where that cannot install the pins, the test is
-skipped and says why (``GRADREPRO_README_ONLINE=1`` lets pip use its index instead). Each command is the README's own, made fast the way the README says
-(``scale=tiny``, ``report --quick``), with its folders inside a temporary one: a new command in
-the README that this file does not know how to run fails the test, so the list stays whole.
-"""
+skipped and says why (``GRADREPRO_README_ONLINE=1`` lets pip use its index instead). Each
+command is the README's own, made fast the way the README says (``scale=tiny``, ``report
+--quick``), with its folders inside a temporary one: a new command in the README that this
+file does not know how to run fails the test, so the list stays whole."""
 
 from __future__ import annotations
 

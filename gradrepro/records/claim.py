@@ -114,14 +114,14 @@ def _check_is_folder(key: Path, what: str) -> None:
         raise UserError(f"{what} {str(key)!r} is a symbolic link to {os.readlink(key)!r}, which does "
                         "not exist: remove the link or choose another folder")
     if key.exists() and not key.is_dir():
-        raise UserError(f"{what} {str(key)!r} is a file, not a folder: choose a folder")
+        raise UserError(f"cannot write the {what} {str(key)!r}: it is a file, not a folder; choose a folder")
     for parent in key.parents:  # a file on the way: 'a/file/run'
         if parent.is_symlink() and not parent.exists():
-            raise UserError(f"{what} {str(key)!r}: {str(parent)!r} is a symbolic link to "
+            raise UserError(f"cannot write the {what} {str(key)!r}: {str(parent)!r} is a symbolic link to "
                             f"{os.readlink(parent)!r}, which does not exist")
         if parent.exists():
             if not parent.is_dir():
-                raise UserError(f"{what} {str(key)!r}: {str(parent)!r} is a file, not a folder")
+                raise UserError(f"cannot write the {what} {str(key)!r}: {str(parent)!r} is a file, not a folder")
             break
 
 
