@@ -95,7 +95,7 @@ def test_the_run_figure_keeps_threshold_labels_off_the_curves_and_titles():
     assert not [t.get_text() for ax in axes for t in ax.texts]  # nothing written inside a panel
     titles = [ax.get_title() for ax in axes]
     assert "loss and z_std (dashed: z_std threshold 0.0625)" in titles
-    assert "knn_acc (checked; dashed: threshold 0.213)" in titles
+    assert "knn_acc (checked; dashed: knn_acc threshold 0.213)" in titles
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     canvas = FigureCanvasAgg(fig)  # drawn as saved: a panel's tick labels never reach a title
