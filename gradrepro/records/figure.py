@@ -145,7 +145,7 @@ def plot_checked(ax, scalars: pd.DataFrame, name: str, thresholds: Sequence[floa
     rows = scalars.dropna(subset=[name])
     ax.plot(rows["step"], rows[name], color="tab:purple", marker="." if len(rows) < 30 else None)
     said = draw_thresholds(ax, thresholds)
-    ax.set_title(f"{name} (checked" + (f"; dashed: {name} threshold {said})" if said else ")"))
+    ax.set_title(f"{name} threshold {said} (dashed)" if said else f"{name} (checked)")  # short: the panel is narrow
     if last:
         ax.set_xlabel("step")
     else:  # the step axis is the last panel's: no tick labels under this one's curve, over the next title
