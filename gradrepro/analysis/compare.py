@@ -141,8 +141,7 @@ def _compare_main(args: argparse.Namespace) -> int:
         # One run: the groups repeat its row, and the checks and margins set it beside a control
         # that is not there. Its row holds every check; --table NAME prints another.
         which, skipped = [t for t in which if t == "runs"], []
-        print("gradrepro.compare: note: one run: its row only (the other tables compare runs: seeds, "
-              "its control); --table NAME for one of them", file=sys.stderr)
+    one_run = len(runs) == 1 and args.table == "all" and args.format != "csv"
     if args.format == "csv":  # one table per file: each one pandas.read_csv reads
         _write_csv(tables, which, out, len(runs), args.paths)
     else:
@@ -154,6 +153,9 @@ def _compare_main(args: argparse.Namespace) -> int:
             sys.stdout.write(text)
     for name in skipped:
         print(f"gradrepro.compare: note: the {name} table is empty ({EMPTY[name]}): not written", file=sys.stderr)
+    if one_run:  # after the output: an output that cannot be written stays one line
+        print("gradrepro.compare: note: one run: its row only (the other tables compare runs: seeds, "
+              "its control); --table NAME for one of them", file=sys.stderr)
     if plot:
         not_drawn: List[str] = []
         drawn = plot_runs(runs, plot, metric=args.metric, warnings=not_drawn)
