@@ -14,6 +14,11 @@ from gradrepro.errors import RAISED_SIGNALS, exit_code_of_signal, interrupt_on_s
 # in the background by a non-interactive shell inherits SIGINT ignored, and Python then keeps
 # it ignored, so a Ctrl-C sent during start-up would be lost until the run's own handler.
 interrupt_on_stop_signals(sigint=True)
+if sys.argv[1:] in (["--help"], ["-h"]) and __name__ == "__main__":  # no import of torch or Hydra to say it
+    from gradrepro.config.short_help import short_help
+
+    print(short_help())
+    sys.exit(0)
 try:
     from gradrepro.cli import main as _cli_main
 

@@ -5,15 +5,18 @@ run folder as ``gradrepro.record`` (``pip install 'gradrepro[lightning]'``).
     trainer.fit(model, loader)
     # python -m gradrepro.compare runs/mine
 
-Lightning runs the forward and backward passes inside ``optimizer.step(closure)``, so an
-optimizer hook would fire before the gradients exist; the callback uses Lightning's own hooks
-instead: a step begins at ``on_train_batch_start`` (the first micro-batch after a step), the
-gradients are read at ``on_before_optimizer_step`` (after backward, accumulation and AMP
-unscaling), and the step ends at the ``on_train_batch_end`` where ``trainer.global_step`` has
-moved. The loss is the mean of the step's micro-batch losses as ``training_step`` returned
-them (Lightning hands the callback each one divided by ``accumulate_grad_batches``). Every process
-records (the statistics of a sharded or replicated tensor are of the full tensor, from every
-process's part); the global-zero process writes the run folder.
+Lightning runs the forward and backward passes inside ``optimizer.step(closure)``, so the
+optimizer's step pre-hook fires before the gradients exist. The callback uses Lightning's hooks
+for the step's bounds: a step begins at ``on_train_batch_start`` (the first micro-batch after a
+step) and ends at the ``on_train_batch_end`` where ``trainer.global_step`` has moved. The
+gradients are read where the optimizer uses them: after the closure Lightning hands to
+``optimizer.step`` has run (the recorder's step pre-hook wraps it), or at the step itself
+where AMP's scaler runs the closure first; so after backward, accumulation, AMP unscaling and
+``gradient_clip_val``, as ``grad_norm`` is defined. The loss is the mean of the step's
+micro-batch losses as ``training_step`` returned them (Lightning hands the callback each one
+divided by ``accumulate_grad_batches``). Every process records (the statistics of a sharded or
+replicated tensor are of the full tensor, from every process's part); the global-zero process
+writes the run folder.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class Record(Callback):
                             "folder, or move that run away first")
         self.recorder: Optional[Recorder] = None
         self._losses: list[torch.Tensor] = []
+        self._reads_at_step = False  # the gradients read at the optimizer's step (after any clipping)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         optimizer = trainer.optimizers[0] if trainer.optimizers else None
@@ -59,13 +63,17 @@ class Record(Callback):
         self.recorder = Recorder(pl_module, optimizer, self.run_dir, self.every, scaler=scaler, hooks=False,
                                  **options)
         self.recorder.step = trainer.global_step  # a resumed fit goes on counting
+        if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):
+            # on_before_optimizer_step comes before Lightning clips: the gradients are read later
+            self.recorder._handles.append(optimizer.register_step_pre_hook(self.recorder._pre_step))
+            self._reads_at_step = True
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.recorder is not None:
             self.recorder.begin()
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        if self.recorder is not None:
+        if self.recorder is not None and not self._reads_at_step:  # an optimizer without step hooks
             self.recorder.before_step()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

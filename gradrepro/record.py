@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
+import os
 import sys
 import time
 import types
@@ -43,6 +45,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
@@ -113,6 +116,7 @@ class Recorder:
             self.step = 0  # optimizer steps taken so far: the index of the step in progress
             self.status: Optional[str] = None  # set by close()
             self._begun = False
+            self._begun_at: Optional[tuple] = None  # where the forward pass that began the step was called
             self._eager, self._restore = False, None  # eager logged steps of a compiled model (below)
             self._current: Optional[ProbeStep] = None  # the logged step in progress
             self._scalars: dict[str, Any] = {}  # rec.log() values of the step in progress
@@ -130,7 +134,7 @@ class Recorder:
                 self._eager = eager_logged_steps and is_compiled(model)
                 self._handles = [model.register_forward_pre_hook(self._on_forward),
                                  model.register_forward_hook(self._after_forward),
-                                 optimizer.register_step_pre_hook(lambda *_: self.before_step()),
+                                 optimizer.register_step_pre_hook(self._pre_step),
                                  optimizer.register_step_post_hook(lambda *_: self.after_step())]
             self._write_summary("running")
         except BaseException:
@@ -210,6 +214,8 @@ class Recorder:
             return
         starts = not self._begun
         self._begin()  # while a step is in progress: only the live loss-scale check
+        if starts:  # where the forward pass that began the step was called (see ``log``)
+            self._begun_at = _caller_line()
         if starts and self._current is not None and self._bf16 is None and autocast_bf16(self.probe.params[0]):
             self.probe.bf16 = True
         if starts and self._current is not None and self._eager:
@@ -238,8 +244,7 @@ class Recorder:
             if self._current is not None and self.live is not None:
                 self.live.step_retried(self.step)  # a skipped step's retry, or the next micro-batch
             return
-        self._close_row()
-        self._begun = True
+        self._begun, self._begun_at = True, None  # the last row stays open to rec.log until this step's gradients
         if not self._materialised():
             return
         if self.live is not None:
@@ -255,12 +260,35 @@ class Recorder:
             if self.live is not None:
                 self.live.begin(self.step)
 
+    def _pre_step(self, optimizer: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
+        """The optimizer's step pre-hook. ``step(closure)`` (LBFGS; any optimizer given one) makes
+        the gradients inside the step: they are read after the closure's first evaluation, at the
+        parameters the step starts from, instead of now, when they do not exist yet."""
+        # torch passes the optimizer itself as args[0], then step's own arguments
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if not callable(closure):
+            self.before_step()
+            return None
+        first = [True]
+
+        def closure_then_read() -> Any:
+            result = closure()
+            if first[0]:
+                first[0] = False
+                self.before_step()
+            return result
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_read}
+        return (args[0], closure_then_read, *args[2:]), kwargs
+
     def before_step(self) -> None:
         """The gradients are complete (after backward, unscaling and accumulation)."""
         self._guard(self._before_step, "before_step")
 
     def _before_step(self) -> None:
         self._begin()  # a step whose forward pass no hook saw
+        self._close_row()
         if not self._materialised():
             return
         if self.live is not None:
@@ -277,6 +305,7 @@ class Recorder:
 
     def _after_step(self) -> None:
         self._begin()
+        self._close_row()
         current, self._current = self._current, None
         scalars, self._scalars = self._scalars, {}
         if current is None:  # the lr this step used (a scheduler may change it after the step)
@@ -311,7 +340,12 @@ class Recorder:
         if taken:
             raise UserError(f"rec.log({', '.join(taken)}=...): reserved column(s) the recorder writes itself "
                             f"({', '.join(RESERVED)}); log under another name")
-        if self._begun:
+        for name, value in scalars.items():
+            _check_scalar(name, value)
+        # ``rec.log(logits=model(x))`` after optimizer.step(): the forward pass in the call's own
+        # arguments began the next step; its values belong to the step just taken.
+        inside_call = self._begun and self._begun_at is not None and self._begun_at == _caller_line()
+        if self._begun and not inside_call:
             self._scalars.update({k: v.detach() if torch.is_tensor(v) else v for k, v in scalars.items()})
         elif self._open_row is not None and self._open_row["step"] == self.step - 1:
             self._open_row.update({k: _number(v) for k, v in scalars.items()})
@@ -482,6 +516,43 @@ def _check_same_params(net: nn.Module, held: list) -> None:
         raise UserError("the model's parameters were replaced after gradrepro.record was attached "
                         "(sharded with fully_shard, or loaded with assign=True): create the recorder "
                         "after sharding and loading")
+
+
+def _check_scalar(name: str, value: Any) -> None:
+    """``rec.log`` takes numbers: a bool, int or float, a numpy number, a one-element tensor, an
+    object with ``__float__``."""
+    if torch.is_tensor(value):
+        if value.numel() != 1:
+            raise UserError(f"rec.log({name}=...): a tensor of shape {tuple(value.shape)} is not one number; "
+                            f"log a reduction of it ({name}=t.mean(), t.norm(), ...) or one element")
+        if value.is_complex():
+            raise UserError(f"rec.log({name}=...): a complex tensor is not one real number; log its abs() or real")
+        return
+    if isinstance(value, numbers.Real) or (isinstance(value, np.ndarray) and value.size == 1
+                                           and np.issubdtype(value.dtype, np.number)):
+        return
+    if hasattr(type(value), "__float__") and not isinstance(value, (str, bytes, complex)):
+        return  # a number of its own kind, read (float()) only if its step is logged
+    raise UserError(f"rec.log({name}=...): {type(value).__name__} {_short(value)} is not a number; log numbers "
+                    "or one-element tensors (a column of the scalars table)")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# Frames of these files are the recorder's and torch's own, not the caller's.
+_OWN_FILES = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+
+
+def _caller_line() -> Optional[tuple]:
+    """``(frame id, line)`` of the first frame outside torch and gradrepro: where the user's code
+    called the model (from a forward hook) or ``rec.log``."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_FILES):
+        frame = frame.f_back
+    return None if frame is None else (id(frame), frame.f_lineno)
 
 
 def _number(value: Any) -> float:

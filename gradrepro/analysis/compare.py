@@ -27,10 +27,11 @@ import pandas as pd
 from hydra.experimental.callback import Callback
 
 from gradrepro.analysis.checks import SIGNATURE_SOURCES
-from gradrepro.analysis.compare_figure import plot_runs
+from gradrepro.analysis.compare_figure import metric_columns, plot_runs
 from gradrepro.analysis.fit_width import WIDTH
 from gradrepro.analysis.tables import TABLES, build_tables, render
 from gradrepro.errors import UserError, exit_on_user_error
+from gradrepro.records.claim import refuse_inside_records
 from gradrepro.records.files import atomic_write, check_output_file, check_path_length, write_output
 from gradrepro.records.reader import Run, load_runs
 
@@ -114,6 +115,9 @@ def _compare_main(args: argparse.Namespace) -> int:
         check_path_length(path, "PATH")
     out = check_output_file(args.out, "--out") if args.out else None
     plot = check_output_file(args.plot, "--plot") if args.plot else None
+    for given, what in ((args.out, "--out"), (args.plot, "--plot")):
+        if given is not None:  # never over a run, a sweep or anything this command reads
+            refuse_inside_records(given, args.paths, what)
     try:
         tables, runs, warnings = compare(args.paths, args.by, args.signatures)
     except KeyError as exc:
@@ -126,10 +130,20 @@ def _compare_main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_NOTHING_READABLE
+    if plot:  # an unknown --metric would draw nothing: one line, before anything is written
+        known = metric_columns(runs)
+        if known and args.metric not in known:
+            raise UserError(f"--metric {args.metric!r} is not recorded by these runs: choose from "
+                            f"{', '.join(known)}")
     which = [t for t in (TABLES if args.table == "all" else (args.table,)) if not tables[t].empty]
     skipped = [t for t in (TABLES if args.table == "all" else (args.table,)) if tables[t].empty]
+    if len(runs) == 1 and args.table == "all" and args.format != "csv":
+        # One run: the groups repeat its row, and the checks and margins set it beside a control
+        # that is not there. Its row holds every check; --table NAME prints another.
+        which, skipped = [t for t in which if t == "runs"], []
+    one_run = len(runs) == 1 and args.table == "all" and args.format != "csv"
     if args.format == "csv":  # one table per file: each one pandas.read_csv reads
-        _write_csv(tables, which, out, len(runs))
+        _write_csv(tables, which, out, len(runs), args.paths)
     else:
         text = render(tables, args.format, which, width=None if args.wide else WIDTH)
         if out:
@@ -139,6 +153,9 @@ def _compare_main(args: argparse.Namespace) -> int:
             sys.stdout.write(text)
     for name in skipped:
         print(f"gradrepro.compare: note: the {name} table is empty ({EMPTY[name]}): not written", file=sys.stderr)
+    if one_run:  # after the output: an output that cannot be written stays one line
+        print("gradrepro.compare: note: one run: its row only (the other tables compare runs: seeds, "
+              "its control); --table NAME for one of them", file=sys.stderr)
     if plot:
         not_drawn: List[str] = []
         drawn = plot_runs(runs, plot, metric=args.metric, warnings=not_drawn)
@@ -160,7 +177,8 @@ def csv_paths(out: Path, names: Sequence[str]) -> Dict[str, Path]:
             for i, name in enumerate(names)}
 
 
-def _write_csv(tables: Dict[str, pd.DataFrame], which: Sequence[str], out: Optional[Path], n_runs: int) -> None:
+def _write_csv(tables: Dict[str, pd.DataFrame], which: Sequence[str], out: Optional[Path], n_runs: int,
+               inputs: Sequence[Path] = ()) -> None:
     if not which:
         return
     if out is None:  # stdout holds one file: the first table; the others need --table or --out
@@ -170,6 +188,8 @@ def _write_csv(tables: Dict[str, pd.DataFrame], which: Sequence[str], out: Optio
                   f"{'|'.join(which[1:])} for another, or --out FILE.csv for each in its own file", file=sys.stderr)
         return
     paths = {name: check_output_file(path, "--out") for name, path in csv_paths(out, which).items()}
+    for path in paths.values():
+        refuse_inside_records(path, inputs, "--out")
     for name, path in paths.items():
         text = render(tables, "csv", (name,))
         write_output(path, lambda tmp, t=text: Path(tmp).write_text(t), "--out")

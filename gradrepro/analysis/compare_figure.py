@@ -14,12 +14,13 @@ from typing import List, Optional, Sequence
 import matplotlib
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 from matplotlib.figure import Figure
 
 from gradrepro.analysis.tables import differing_knobs
-from gradrepro.records.files import write_output
-from gradrepro.records.reader import Run
-from gradrepro.records.untrusted import one_line
+from gradrepro.records.files import MODULES, write_output
+from gradrepro.records.reader import TEXT_COLUMNS, Run
+from gradrepro.records.untrusted import one_line, open_regular
 
 # Norms combine over a module's tensors as an L2 norm; every other column as a mean.
 _L2_COLUMNS = {"grad_norm", "param_norm"}
@@ -37,6 +38,20 @@ def module_values(modules: pd.DataFrame, metric: str) -> pd.Series:
         per_step = df.groupby(["module", "step"], sort=False)[metric].mean()
     per_step = per_step.replace([np.inf, -np.inf], np.nan)
     return per_step.groupby(level="module", sort=False).median()
+
+
+def metric_columns(runs: Sequence[Run]) -> List[str]:
+    """The per-module metrics the runs recorded: the numeric columns of their modules.parquet
+    (schema only; a run whose file cannot be read adds none)."""
+    found: dict = {}
+    for run in runs:
+        try:
+            with open_regular(run.path / MODULES) as f:
+                names = pq.ParquetFile(f).schema_arrow.names
+        except Exception:  # noqa: BLE001 - a run folder is data: an unreadable one adds nothing
+            continue
+        found.update(dict.fromkeys(n for n in names if n not in ("step", *TEXT_COLUMNS[MODULES])))
+    return list(found)
 
 
 def _group_label(run: Run, knobs: Sequence[str]) -> str:

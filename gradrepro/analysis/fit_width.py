@@ -1,7 +1,8 @@
 """A markdown table that fits a terminal: a table wider than ``width`` characters is split
 into consecutive blocks of columns, each repeating the first column (the run or the group it
-describes), and a cell longer than ``MAX_CELL`` keeps its end (a run folder's distinctive
-part, ``.../seed=1``) behind an ellipsis. The long forms stay in ``--wide`` and in the csv."""
+describes), and a cell longer than ``MAX_CELL`` is shortened: a path keeps its end (a run
+folder's distinctive part, ``.../seed=1``) behind an ellipsis, prose (a paper's words) keeps
+its start, as it is read. The long forms stay in ``--wide`` and in the csv."""
 
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ MAX_CELL = 40  # the longest cell kept whole, so that at least two columns fit b
 
 def _shorten(value: object) -> object:
     text = str(value)
-    return value if len(text) <= MAX_CELL else "…" + text[-(MAX_CELL - 1):]
+    if len(text) <= MAX_CELL:
+        return value
+    if "/" in text and " " not in text:  # a path: its end tells runs apart
+        return "…" + text[-(MAX_CELL - 1):]
+    return text[:MAX_CELL - 1] + "…"
 
 
 def markdown_within(df: pd.DataFrame, width: int = WIDTH) -> str:

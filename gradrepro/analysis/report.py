@@ -58,6 +58,7 @@ from gradrepro.analysis.report_header import (
 from gradrepro.analysis.tables import check_keys, for_reading
 from gradrepro.config.compose import compose, group_options_recursive
 from gradrepro.errors import exit_on_user_error
+from gradrepro.records.claim import refuse_inside_records
 from gradrepro.records.files import check_output_file, check_path_length, write_output
 from gradrepro.records.provenance import source_hash
 from gradrepro.records.reader import Run
@@ -314,6 +315,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _report_main(args: argparse.Namespace) -> int:
     check_output_file(Path(args.out) / "README.md", "--out")
+    # The report and its figures never land in a run or sweep folder, nor in the sweep it reads.
+    refuse_inside_records(Path(args.out) / "README.md", [p for p in (args.from_sweep, args.sweep_dir) if p], "--out")
     extra = (["scale=tiny"] if args.quick else []) + list(args.overrides)
     # Threads change speed, not the experiment: in the sweep, not in the reproduce command.
     speed = [] if any(o.startswith("threads=") for o in extra) else [f"threads={args.threads}"]

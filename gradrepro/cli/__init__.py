@@ -18,6 +18,7 @@ once the run folder exists, its summary.json says ``interrupted``.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -95,6 +96,25 @@ def hydra_app(cfg: DictConfig) -> None:
               EXIT_FAILED, sweep)
 
 
+_LOG_FAILURES: list = []  # log files a write to failed (a full or read-only disk): said once, at the end
+
+
+def _quiet_log_errors(handler: logging.Handler, record: logging.LogRecord) -> None:
+    """A log file that cannot be written: remembered, instead of logging's "--- Logging error ---"
+    and a traceback for every record. The run's own ending says a full disk in one line."""
+    exc = sys.exc_info()[1]
+    where = getattr(handler, "baseFilename", None) or type(handler).__name__
+    if where not in (w for w, _ in _LOG_FAILURES):
+        _LOG_FAILURES.append((where, getattr(exc, "strerror", None) or str(exc) or type(exc).__name__))
+
+
+def _say_log_failures() -> None:
+    if _LOG_FAILURES:
+        where, why = _LOG_FAILURES[0]
+        print(f"gradrepro: warning: the log {where} is incomplete ({why}); the records are as the "
+              "run says", file=sys.stderr)
+
+
 def _fail(message: str, code: int, sweep: bool) -> None:
     print(f"gradrepro: error: {message}", file=sys.stderr)
     if not sweep:
@@ -107,11 +127,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = interrupt_on_stop_signals() if main_thread else {}  # until a run takes them over
     folder: Optional[preflight.Checked] = None
+    handle_error, logging.Handler.handleError = logging.Handler.handleError, _quiet_log_errors  # every handler
     try:
         folder = _prepare(argv)
         hydra_app()
         if folder is not None and folder.sweep:
             _report_failed_jobs(folder.path)
+        _say_log_failures()  # only where nothing else was said: a failed run's line says more
     except UserError as exc:
         print(f"gradrepro: error: {exc}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
@@ -121,6 +143,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"gradrepro: interrupted ({signal.Signals(signum).name}) {where}", file=sys.stderr)
         sys.exit(exit_code_of_signal(signum))
     finally:
+        logging.Handler.handleError = handle_error
+        _LOG_FAILURES.clear()
         if folder is not None and folder.path is not None:
             release(folder.path)
         release_claimed()

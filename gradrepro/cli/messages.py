@@ -45,6 +45,14 @@ def _schemas() -> dict[str, type]:
 def explain(exc: BaseException, last_cfg: Optional[Any] = None) -> str:
     """One line naming the problem and, where there are some, the valid choices.
     ``last_cfg``: the config composed last, whose keys are listed for an unknown key."""
+    chain, err = [], exc
+    while err is not None and len(chain) < 8:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    return fill_placeholders(_explain(exc, last_cfg), *chain)
+
+
+def _explain(exc: BaseException, last_cfg: Optional[Any] = None) -> str:
     text = str(exc)
     cause = exc.__cause__ or exc.__context__
     missing = re.search(r"Could not find '([^']+)'", text)
@@ -109,8 +117,35 @@ def _unresolvable(err: BaseException, cfg: Any) -> str:
             continue
         if value is not None and not isinstance(value, (DictConfig, ListConfig)):
             reads.append(f"{ref}={value}")
+    if _PLACEHOLDER.search(why):  # the cause's text is a template; the error itself has it filled in
+        why = re.sub(r"^While dereferencing interpolation '[^']*': ", "", str(err).splitlines()[0])
     shown = f" = {raw}" if raw else ""
     return f"{key}{shown}: {why}" + (f" (it reads {', '.join(reads)})" if reads else "")
+
+
+# OmegaConf's message templates: an error raised below the node it concerns keeps them unfilled.
+_PLACEHOLDER = re.compile(r"\$(VALUE_TYPE|VALUE|FULL_KEY|KEY_TYPE|KEY|OBJECT_TYPE|REF_TYPE)\b")
+
+
+def fill_placeholders(text: str, *errors: Optional[BaseException]) -> str:
+    """``text`` with OmegaConf's ``$VALUE``, ``$VALUE_TYPE``, ``$KEY``, ... filled from the first
+    error of ``errors`` that knows each, else said in words ("the value", "its type")."""
+    def known(name: str) -> Optional[str]:
+        for err in errors:
+            if err is None:
+                continue
+            if name == "VALUE_TYPE" and getattr(err, "value", None) is not None:
+                return type(err.value).__name__
+            attr = {"VALUE": "value", "FULL_KEY": "full_key", "KEY": "key", "OBJECT_TYPE": "object_type_str",
+                    "REF_TYPE": "ref_type_str", "KEY_TYPE": "key"}[name]
+            value = getattr(err, attr, None)
+            if value is not None and value != "":
+                return type(value).__name__ if name == "KEY_TYPE" else str(value)
+        return None
+
+    words = {"VALUE": "the value", "VALUE_TYPE": "its type", "KEY": "the key", "FULL_KEY": "the key",
+             "OBJECT_TYPE": "the config", "REF_TYPE": "the config", "KEY_TYPE": "the key's type"}
+    return _PLACEHOLDER.sub(lambda m: known(m.group(1)) or words[m.group(1)], text)
 
 
 def _raw_value(cfg: Any, key: str) -> Optional[str]:

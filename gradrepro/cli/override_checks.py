@@ -37,6 +37,7 @@ def check_choice_names(overrides: Sequence[str], config_dir: Path) -> None:
     schema registered beside it (``mlp_schema``), and one name, not a list to merge."""
     for o in _parsed(overrides):
         group = o.key_or_group
+        _check_subfolder_spelling(o, config_dir)
         if not _is_group(group, config_dir) or isinstance(o.value(), Glob):
             continue
         if not group.startswith("hydra/") and not o.is_sweep_override() and isinstance(o.value(), list):
@@ -56,6 +57,24 @@ def check_choice_names(overrides: Sequence[str], config_dir: Path) -> None:
                 options = group_options_recursive(group, config_dir)
                 raise UserError(f"{group}={value!r} is not a config name: a choice names a config of the "
                                 f"{group} group (no '..', no leading '/'); valid choices: {', '.join(options)}")
+
+
+def _check_subfolder_spelling(o, config_dir: Path) -> None:
+    """``experiment/missing_grad=detached``: a subfolder of a group is not a group of the
+    defaults list (Hydra says "No match in the defaults list"); a config in it is chosen by
+    its path, ``experiment=missing_grad/detached``."""
+    group = o.key_or_group
+    top, _, sub = group.partition("/")
+    if not sub or group.startswith("hydra/") or o.is_add() or o.is_delete() or not _is_group(top, config_dir):
+        return
+    values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.value()]
+    spelt = ",".join(f"{sub}/{v}" for v in values)
+    options = group_options_recursive(top, config_dir)
+    given = f"{group}={','.join(map(str, values))} is not how a config in a subfolder of {top} is chosen"
+    if all(f"{sub}/{v}" in options for v in values):
+        raise UserError(f"{given}: write {top}={spelt}")
+    inside = [n for n in options if n.startswith(f"{sub}/")]
+    raise UserError(f"{given}: write {top}={sub}/NAME; valid choices: {', '.join(inside)}")
 
 
 def check_deletions(compose: Compose, overrides: Sequence[str], config_name: str, config_dir: Path) -> None:

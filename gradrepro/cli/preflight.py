@@ -76,9 +76,18 @@ def check_launcher(argv: Sequence[str]) -> None:
         key, _, value = arg.partition("=")
         if key.lstrip("+") == "hydra/launcher" and value in _LAUNCHER_PLUGINS:
             module, extra = _LAUNCHER_PLUGINS[value]
-            if importlib.util.find_spec(module) is None:
+            if not _installed(module):
                 raise UserError(f"hydra/launcher={value} needs {module.split('.')[1]}: "
                                 f"pip install -e '.[{extra}]'")
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported; a missing parent package (``hydra_plugins`` itself,
+    where no plugin is installed) is missing too, not a ModuleNotFoundError."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 class RepeatedSweepValue(UserError):

@@ -5,10 +5,12 @@ search path (``--config-dir`` included) without them."""
 
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List
 
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.object_type import ObjectType
+
+from gradrepro.config.short_help import listing
 
 SCHEMA_SUFFIX = "_schema"  # a choice's schema in the ConfigStore: internal, never a choice itself
 
@@ -30,10 +32,11 @@ def help_groups() -> str:
             found += groups(group)
         return found
 
-    lines = []
+    found: Dict[str, List[str]] = {}
     for group in sorted(groups("")):
-        options = [o for o in sorted(loader.get_group_options(group, ObjectType.CONFIG))
+        top, _, sub = group.partition("/")  # a subfolder's configs are choices of its top group: by path
+        options = [f"{sub}/{o}" if sub else o for o in sorted(loader.get_group_options(group, ObjectType.CONFIG))
                    if not o.endswith(SCHEMA_SUFFIX)]
         if options:
-            lines.append(f"{group}: {', '.join(options)}")
-    return "\n".join(lines)
+            found.setdefault(top, []).extend(options)
+    return listing({group: sorted(options) for group, options in found.items()})

@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from gradrepro.config.help_groups import help_groups
+from gradrepro.config.short_help import overrides_text
 
 _OPS = {
     ast.Add: operator.add,
@@ -106,9 +107,9 @@ def run_subdir(override_dirname: str, seed: Any) -> str:
 
 
 def register_resolvers() -> None:
-    """Register ``calc``, ``run_subdir``, ``cores_up_to`` and ``help_groups`` with OmegaConf
-    (idempotent)."""
+    """Register ``calc``, ``run_subdir``, ``cores_up_to``, ``help_groups`` and
+    ``help_overrides`` with OmegaConf (idempotent)."""
     for name, fn in (("calc", calc), ("run_subdir", run_subdir), ("cores_up_to", cores_up_to),
-                     ("help_groups", help_groups)):
+                     ("help_groups", help_groups), ("help_overrides", overrides_text)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

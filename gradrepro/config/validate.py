@@ -17,6 +17,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from gradrepro.config.compose import group_options_recursive
+from gradrepro.config.numbers import check_numbers
 from gradrepro.config.resolvers import usable_cores
 from gradrepro.config.sizes import check_sizes
 from gradrepro.config.structure import check_flat_lists, undeclared_keys
@@ -67,6 +68,7 @@ def validate(cfg: Any) -> None:
     _check_references(cfg)
     _check_processes(cfg)
     _check_signature(cfg)
+    check_numbers(cfg)  # every other number: finite, and within what its consumer holds
 
 
 def _choice(key: str, value: Any, valid: Any) -> None:

@@ -79,8 +79,12 @@ def claim(folder: Path, what: str = "run folder", markers: Sequence[str] = RUN_M
     if key in _held:
         _held[key] += 1
         return key
+    _check_is_folder(key, what)
     try:
         key.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file or a dangling link on the way, a read-only disk
+        raise UserError(f"cannot create the {what} {str(key)!r}: {exc.strerror or exc}") from None
+    try:
         fd = os.open(key / LOCK, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         raise UserError(f"{what} {str(key)!r} is in use by {_holder(key / LOCK)}: "
@@ -90,13 +94,35 @@ def claim(folder: Path, what: str = "run folder", markers: Sequence[str] = RUN_M
     with os.fdopen(fd, "w") as f:
         f.write(f"{os.getpid()}\n{socket.gethostname()}\n{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     found = existing_run(key, markers)
-    if found is not None:
+    below = runs_below(key, skip_self=True) if markers and found is None else None
+    if found is not None or below is not None:
         with contextlib.suppress(OSError):
             (key / LOCK).unlink()
-        raise UserError(f"{what} {str(key)!r} already holds a run ({found}): choose another folder, "
-                        "or move that run away first")
+        if found is not None:
+            raise UserError(f"{what} {str(key)!r} already holds a run ({found}): choose another folder, "
+                            "or move that run away first")
+        held = ("is a sweep's folder (multirun.yaml): a run written there would hide the sweep's runs"
+                if below == key else f"holds other runs ({str(below)!r}): a run written there would hide them")
+        raise UserError(f"{what} {str(key)!r} {held} from compare; choose another folder")
     _held[key] = 1
     return key
+
+
+def _check_is_folder(key: Path, what: str) -> None:
+    """A dangling link or a file where the folder should be: one line that says which."""
+    if key.is_symlink() and not key.exists():
+        raise UserError(f"{what} {str(key)!r} is a symbolic link to {os.readlink(key)!r}, which does "
+                        "not exist: remove the link or choose another folder")
+    if key.exists() and not key.is_dir():
+        raise UserError(f"cannot write the {what} {str(key)!r}: it is a file, not a folder; choose a folder")
+    for parent in key.parents:  # a file on the way: 'a/file/run'
+        if parent.is_symlink() and not parent.exists():
+            raise UserError(f"cannot write the {what} {str(key)!r}: {str(parent)!r} is a symbolic link to "
+                            f"{os.readlink(parent)!r}, which does not exist")
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"cannot write the {what} {str(key)!r}: {str(parent)!r} is a file, not a folder")
+            break
 
 
 def claim_fresh(folder: Path, what: str = "run folder") -> Path:
@@ -138,13 +164,45 @@ def claimed(folder: Path, what: str = "run folder", markers: Sequence[str] = RUN
         release(key)
 
 
-def runs_below(folder: Path) -> Optional[Path]:
-    """A folder at or below ``folder`` that holds a run (a sweep folder must hold none)."""
+SWEEP_RECORD = "multirun.yaml"  # Hydra's record of a sweep, in the sweep's folder
+# How deep a sweep's or a run's runs lie: sweep/job, sweep/job/references/NAME, a subdir pattern.
+_RUN_DEPTH = 4
+
+
+def runs_below(folder: Path, skip_self: bool = False) -> Optional[Path]:
+    """A folder at or below ``folder`` (below only, with ``skip_self``) that holds a run or a
+    sweep's record (a sweep folder must hold none; a run folder neither). Searched
+    ``_RUN_DEPTH`` folders deep, where runs lie, so a large unrelated tree is not walked."""
     root = Path(folder)
     if not root.is_dir():
         return None
-    for marker in (SUMMARY, SCALARS, "config.yaml"):
-        for hit in root.rglob(marker):
-            if hit.name != "config.yaml" or hit.parent.name == ".hydra":
-                return hit.parent.parent if hit.name == "config.yaml" else hit.parent
+    base = len(root.parts)
+    for here, dirs, files in os.walk(root):
+        depth = len(Path(here).parts) - base
+        dirs[:] = sorted(d for d in dirs if d != ".hydra") if depth < _RUN_DEPTH else []
+        hydra_record = os.path.isfile(os.path.join(here, HYDRA_RECORD))
+        if skip_self and depth == 0:
+            if SWEEP_RECORD in files:
+                return root
+            continue
+        if hydra_record or SUMMARY in files or SCALARS in files or SWEEP_RECORD in files:
+            return Path(here)
     return None
+
+
+def refuse_inside_records(output: Path, inputs: Sequence[Path], what: str) -> None:
+    """A reader's output (compare's ``--out``, ``--plot``; the report) never lands in what it
+    reads nor in any run or sweep folder: UserError if ``output`` (links resolved) is one of
+    ``inputs`` or inside one, or inside a folder that holds a run, a lock or a sweep's record."""
+    target = Path(os.path.realpath(os.path.expanduser(str(output))))
+    for source in inputs:
+        read = Path(os.path.realpath(os.path.expanduser(str(source))))
+        if target == read or read in target.parents:
+            raise UserError(f"{what} {str(output)!r} is inside {str(source)!r}, which this command reads: "
+                            "write it somewhere else")
+    for folder in target.parents:
+        found = existing_run(folder, (*RUN_MARKERS, LOCK, SWEEP_RECORD))
+        if found is not None:
+            kind = "a sweep's folder" if found == SWEEP_RECORD else "a run folder"
+            raise UserError(f"{what} {str(output)!r} is inside {kind} ({str(folder)!r} holds {found}), "
+                            "whose records are never overwritten: write it somewhere else")

@@ -91,7 +91,9 @@ def _signals_figure(scalars: pd.DataFrame, modules: pd.DataFrame, title: str, ke
         ax_key = ax_loss.twinx()
         ax_key.plot(key["step"], key[key_scalar], color="tab:orange", marker=".", label=key_scalar)
         ax_key.set_ylabel(key_scalar, color="tab:orange")
-        draw_thresholds(ax_key, key_scalar, key_thresholds, color="tab:orange")
+        said = draw_thresholds(ax_key, key_thresholds, color="tab:orange")
+        if said:  # in the title, never on the curves
+            ax_loss.set_title(f"loss and {key_scalar} (dashed: {key_scalar} threshold {said})")
 
     if not modules.empty and "grad_norm" in modules:
         table = module_grad_norms(modules)
@@ -112,12 +114,12 @@ def _signals_figure(scalars: pd.DataFrame, modules: pd.DataFrame, title: str, ke
     return fig
 
 
-def draw_thresholds(ax, name: str, thresholds: Sequence[float], color: str = "gray") -> None:
-    """Each threshold a check compares ``name`` with, as a dashed line labelled with its value."""
+def draw_thresholds(ax, thresholds: Sequence[float], color: str = "gray") -> str:
+    """Each threshold a check compares a scalar with, as a dashed line; returns their values in
+    words for the panel's title (a label beside the line would lie on the curve or the title)."""
     for threshold in thresholds:
         ax.axhline(threshold, color=color, linestyle="--", linewidth=0.8)
-        ax.annotate(f"{name} threshold {threshold:.3g}", xy=(0.99, threshold), xycoords=ax.get_yaxis_transform(),
-                    ha="right", va="bottom", color=color)
+    return ", ".join(f"{t:.3g}" for t in thresholds)
 
 
 def scale_moves(scalars: pd.DataFrame) -> bool:
@@ -142,7 +144,9 @@ def plot_checked(ax, scalars: pd.DataFrame, name: str, thresholds: Sequence[floa
     """One scalar a check reads, over steps, with the thresholds it is compared with."""
     rows = scalars.dropna(subset=[name])
     ax.plot(rows["step"], rows[name], color="tab:purple", marker="." if len(rows) < 30 else None)
-    draw_thresholds(ax, name, thresholds)
-    ax.set_title(f"{name} (checked)")
+    said = draw_thresholds(ax, thresholds)
+    ax.set_title(f"{name} threshold {said} (dashed)" if said else f"{name} (checked)")  # short: the panel is narrow
     if last:
         ax.set_xlabel("step")
+    else:  # the step axis is the last panel's: no tick labels under this one's curve, over the next title
+        ax.tick_params(labelbottom=False)

@@ -187,12 +187,35 @@ def read_summary(run_dir: Path) -> Dict[str, Any]:
         raise ValueError(f"{SUMMARY} is not a gradrepro summary: {one_line(exc, 300)}") from None
 
 
+def _check_against_hydra_record(run_dir: Path, summary: Dict[str, Any]) -> None:
+    """A summary.json that names another experiment (or control) than the run's own Hydra
+    record (``.hydra/config.yaml``, plain values only) was edited or copied in: ValueError,
+    so the run is skipped with one warning rather than listed under a name it did not run."""
+    if not (run_dir / HYDRA_CONFIG).is_file():
+        return  # a recorder's run, or a reference run: no Hydra record to compare with
+    try:
+        cfg = load_yaml(run_dir / HYDRA_CONFIG)
+    except (OSError, ValueError):
+        return  # an unreadable record says nothing either way
+    if not isinstance(cfg, dict):
+        return
+    for key, field_name in (("name", "experiment"), ("control", "control")):
+        own = cfg.get(key)
+        if not isinstance(own, str) or "${" in own or field_name not in summary:
+            continue
+        if str(summary.get(field_name)) != own:
+            raise ValueError(f"{SUMMARY} says {field_name} {one_line(summary.get(field_name), 80)!r} but the "
+                             f"run's own .hydra/config.yaml says {one_line(own, 80)!r} (edited or copied "
+                             "in?): skipped")
+
+
 def read_run(run_dir: Path) -> Run:
     """Read one run folder. Raises ``ValueError`` with the reason when it cannot be used."""
     run_dir = Path(run_dir)
     notes = []
     if (run_dir / SUMMARY).exists() or (run_dir / SUMMARY).is_symlink():
         summary = read_summary(run_dir)
+        _check_against_hydra_record(run_dir, summary)
         overrides = parse_overrides(summary.get("overrides") or [])
     else:
         # Killed before the end: Hydra's own record of the job says what it was.
