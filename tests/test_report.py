@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 from conftest import compose_config, experiment_names, run_module
 
-from gradrepro.analysis.evidence_report import recorded_hash
+from gradrepro.analysis.evidence_report import MARKER, recorded_hash, stale_hash
+from gradrepro.analysis.report import main
 from gradrepro.analysis.report_header import held_words
 from gradrepro.records.provenance import source_hash
 
@@ -149,3 +150,23 @@ def test_the_words_beside_a_claim_say_what_held_on_how_many_seeds():
         "Here: REPRODUCED on 1 of 2 seeds (100, 101); not reproduced on the other 1.")
     assert held_words("mechanism", 2, 2, ["100", "101"]) == "Here: DEMONSTRATED on all 2 seeds (100, 101)."
     assert held_words("observation", 0, 2, ["100", "101"]) == "Here: not observed on any of the 2 seeds (100, 101)."
+
+
+def test_mark_stale_puts_one_notice_stamped_with_the_current_code_and_refuses_a_current_report(tmp_path, capsys):
+    old = "# Reference results\n\nGenerated once.\n\n## What the verdicts prove\n\n" + \
+        MARKER.format(hash="0123456789abcdef") + "\n\n| a |\n"
+    (tmp_path / "README.md").write_text(old)
+    assert main(["--out", str(tmp_path), "--mark-stale", "the SimSiam batch changed."]) == 0
+    assert main(["--out", str(tmp_path), "--mark-stale", "the batch and a threshold changed."]) == 0
+    text = (tmp_path / "README.md").read_text()
+    assert stale_hash(text) == source_hash() and recorded_hash(text) == "0123456789abcdef"
+    assert text.count("These tables are out of date") == 1 and "a threshold changed." in text
+    assert "the SimSiam batch changed." not in text
+    assert text.index("out of date") < text.index("## What the verdicts prove")
+    # a report made by the current code is not stale, and an empty reason is refused: one line each
+    (tmp_path / "README.md").write_text(old.replace("0123456789abcdef", source_hash()))
+    assert main(["--out", str(tmp_path), "--mark-stale", "anything."]) == 2
+    assert main(["--out", str(tmp_path / "none"), "--mark-stale", "x."]) == 2
+    assert main(["--out", str(tmp_path), "--mark-stale", " "]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(lines) == 3 and all(line.startswith("gradrepro.report: error:") for line in lines)

@@ -3,7 +3,9 @@ one commit, by the configs and signature code the package has now (their hash is
 on every experiment there is, and in its margins table every empirical failure's evidence checks
 held on the failure and failed on its control (answered by the control's own references) on
 every seed. Regenerate it with ``python -m gradrepro.report`` when a config or the signature
-code changes."""
+code changes. Until it is made again, ``python -m gradrepro.report --mark-stale "WHAT CHANGED"``
+puts a notice at its top that says so, stamped with the current code's hash: the file then reads
+as the earlier code's, and any later change to the code fails the test again."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pandas as pd
 from conftest import ROOT, composed, experiment_names
 
 from gradrepro.analysis.catalog import BEGIN, END
-from gradrepro.analysis.evidence_report import recorded_hash
+from gradrepro.analysis.evidence_report import recorded_hash, stale_hash
 from gradrepro.analysis.reference_table import signature_held
 from gradrepro.records.provenance import source_hash
 
@@ -32,10 +34,16 @@ def margins_rows() -> pd.DataFrame:
         lambda col: col.str.strip())
 
 
-def test_the_reference_table_was_made_by_the_current_configs_and_signature_code():
-    assert recorded_hash(RESULTS.read_text()) == source_hash(), (
-        "results/README.md was made by other configs or signature code than the package's: "
-        "regenerate it with `python -m gradrepro.report`")
+def test_the_reference_table_was_made_by_the_current_configs_or_says_it_is_older():
+    text = RESULTS.read_text()
+    if recorded_hash(text) == source_hash():
+        assert stale_hash(text) is None, "a current table carries a stale notice"
+        return
+    assert stale_hash(text) == source_hash(), (
+        "results/README.md was made by other configs or signature code than the package's, and no "
+        "notice beside the current code says so: regenerate it with `python -m gradrepro.report`, "
+        "or say what changed with `python -m gradrepro.report --mark-stale \"...\"`")
+    assert "**These tables are out of date.**" in text.split("## What the verdicts prove")[0]
 
 
 def test_the_reference_table_was_made_at_one_commit_on_every_experiment():

@@ -5,7 +5,9 @@ that did not hold on the failure or did not fail on the control named in sentenc
 
 The section carries the hash of the configs and signature code that judged the runs
 (``records.provenance.source_hash``) in a marker line, so a test can tell a table made by other
-configs or other signature code from a current one."""
+configs or other signature code from a current one. Where the code moved on and the table was not
+made again, ``stale_notice`` puts a visible notice at the top of the file that says so, names the
+code it stands beside by that code's hash, and says what changed; a regenerated report has none."""
 
 from __future__ import annotations
 
@@ -21,6 +23,30 @@ MARKER_PATTERN = re.compile(r"<!-- judged by configs and signature code with sou
 SHOWN = ("experiment", "control", "claim_kind", "check", "role", "op", "threshold", "seeds", "holds_on_failure",
          "fails_on_control", "control_n/a", "min_margin_failure", "at_seed_failure", "min_margin_control",
          "at_seed_control")
+
+
+STALE_MARKER = "<!-- stale: these tables are older than the code with source hash {hash} -->"
+STALE_PATTERN = re.compile(
+    r"<!-- stale: these tables are older than the code with source hash ([0-9a-f]+) -->\n(.*?)\n\n", re.S)
+
+
+def stale_hash(text: str) -> Optional[str]:
+    """The source hash a report's stale notice was written beside, or None if it has none."""
+    found = STALE_PATTERN.search(text)
+    return found.group(1) if found else None
+
+
+def stale_notice(text: str, source: str, why: str) -> str:
+    """``text`` with its stale notice (any earlier one replaced) after its first paragraph: the
+    tables below were judged by the code with hash ``recorded_hash(text)``, not by ``source``."""
+    text = STALE_PATTERN.sub("", text)
+    notice = (f"{STALE_MARKER.format(hash=source)}\n**These tables are out of date.** They were made by "
+              f"the configs and signature code with source hash {recorded_hash(text)}; the package's "
+              f"now have source hash {source}. What changed since: {why.strip()} Until "
+              "`python -m gradrepro.report` makes them again, read each number as the earlier code's.\n\n")
+    head, sep, rest = text.partition("\n\n")
+    second, sep2, tail = rest.partition("\n\n")
+    return head + sep + second + sep2 + notice + tail
 
 
 def recorded_hash(text: str) -> Optional[str]:

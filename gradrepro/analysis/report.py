@@ -46,7 +46,7 @@ import pandas as pd
 import gradrepro
 from gradrepro.analysis.compare import compare
 from gradrepro.analysis.compare_figure import plot_runs
-from gradrepro.analysis.evidence_report import evidence_section
+from gradrepro.analysis.evidence_report import evidence_section, recorded_hash, stale_notice
 from gradrepro.analysis.report_header import (
     claim_sentence,
     commits_sentence,
@@ -57,7 +57,7 @@ from gradrepro.analysis.report_header import (
 )
 from gradrepro.analysis.tables import check_keys, for_reading
 from gradrepro.config.compose import compose, group_options_recursive
-from gradrepro.errors import exit_on_user_error
+from gradrepro.errors import UserError, exit_on_user_error
 from gradrepro.records.claim import refuse_inside_records
 from gradrepro.records.files import check_output_file, check_path_length, write_output
 from gradrepro.records.provenance import source_hash
@@ -303,14 +303,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--from-sweep", type=Path, help="write the report from this sweep; run nothing"
     )
     parser.add_argument(
+        "--mark-stale", metavar="WHAT_CHANGED",
+        help="run nothing: put a notice at the top of OUT/README.md that its tables are older than "
+        "the package's configs and signature code, saying what changed (replaced by the next report)",
+    )
+    parser.add_argument(
         "overrides", nargs="*", help="extra overrides for every run (e.g. threads=1)"
     )
     args = parser.parse_args(argv)
+    if args.mark_stale is not None:
+        return exit_on_user_error("gradrepro.report", _mark_stale, Path(args.out) / "README.md", args.mark_stale)
     args.seeds_by_kind = {kind: args.seeds or getattr(args, f"seeds_{kind}") for kind in SEEDS_BY_KIND}
     if min(args.jobs, args.threads) < 1 or any(
             min(s) < 0 or len(set(s)) < len(s) for s in args.seeds_by_kind.values()):
         parser.error("--jobs and --threads must be >= 1, and --seeds distinct numbers >= 0")
     return exit_on_user_error("gradrepro.report", _report_main, args)  # an unwritable output: one line
+
+
+def _mark_stale(report: Path, why: str) -> int:
+    """The stale notice written into an existing report (``evidence_report.stale_notice``)."""
+    if not why.strip():
+        raise UserError("--mark-stale needs a sentence saying what changed since the tables were made")
+    text = report.read_text() if report.is_file() else ""
+    if recorded_hash(text) is None:
+        raise UserError(f"{report} is not a report made by python -m gradrepro.report (no source hash in it)")
+    if recorded_hash(text) == source_hash():
+        raise UserError(f"{report} was made by the package's current configs and signature code: it is not stale")
+    marked = stale_notice(text, source_hash(), why)
+    write_output(report, lambda tmp: Path(tmp).write_text(marked), "the report")
+    print(f"gradrepro.report: {report} marked as older than the code with source hash {source_hash()}")
+    return 0
 
 
 def _report_main(args: argparse.Namespace) -> int:
