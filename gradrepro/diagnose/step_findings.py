@@ -72,7 +72,10 @@ def _update_findings(tr: Transition) -> list[Finding]:
         if (id(t) in tr.members and tr.state[i] in ("finite", "tiny") and not tr.changed[i]
                 and change in ("same", "scaled", "removed")):
             expected = tr.expected[i]
-            rounds = change != "removed" and below_resolution(float(expected), float(tr.p_norm[i]), t.dtype)
+            # The rule's own prediction, made in the tensor's dtype, moves nothing (it rounds away),
+            # or moves it by under half an ulp of its norm: no change is what the dtype allows.
+            rounds = change != "removed" and lr != 0 and (
+                expected == 0 or below_resolution(float(expected), float(tr.p_norm[i]), t.dtype))
             detail = ("finite non-zero gradient and held by the optimizer, yet unchanged by the step"
                       + (f"; its group's lr is {lr:g}" if lr == 0 else "")
                       + ("; its .grad was removed (set to None) between backward and the step, so the optimizer "
