@@ -145,3 +145,24 @@ def test_live_nonfinite_gradient_counts_entries_not_a_fraction(tmp_path):
     rec = _loop(tmp_path, NaNLoss(), 1)
     found = {f.name: f for f in rec.live.found if f.kind == "nonfinite_gradient"}
     assert "48 of its 48 gradient entries (100.0%)" in found["linear.weight"].detail, found
+
+
+def _lr_zero_findings(tmp_path, groups_at_zero):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[2].parameters()}], lr=0.1)
+    logging.getLogger("gradrepro.diagnose.live").setLevel(logging.ERROR)
+    with gradrepro.record(model, opt, tmp_path / f"run{len(groups_at_zero)}", every=1, on_finding="log") as rec:
+        for step in range(3):
+            if step == 1:  # not at step 0, where a warm-up from lr 0 starts by design
+                for g in groups_at_zero:
+                    opt.param_groups[g]["lr"] = 0.0
+            opt.zero_grad()
+            ce(model)().backward()
+            opt.step()
+    return {(f.name, f.severity) for f in rec.live.found if f.kind == "lr_zero"}
+
+
+def test_live_lr_zero_in_one_group_is_information_and_in_every_group_a_warning(tmp_path):
+    assert _lr_zero_findings(tmp_path, [0]) == {("0.weight", "info")}
+    assert {s for _, s in _lr_zero_findings(tmp_path, [0, 1])} == {"warning"}

@@ -20,6 +20,7 @@ read the gradients when backward begins and one multi-tensor norm when it ends
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import warnings
 import weakref
@@ -161,11 +162,12 @@ class LiveChecks:
                 hits += checks.stale_hits(names, zip(idx, values[0], values[1]))
         if step == 0:  # a linear warm-up from 0 takes its first step at lr 0 by design
             hits = [h for h in hits if h[0] != "lr_zero"]
-        self._report(step, self._persistence(hits))
+        self._report(step, self._persistence(hits, _every_lr_zero(self.optimizer)))
 
-    def _persistence(self, hits: list[checks.Hit]) -> list[tuple[str, checks.Hit]]:
+    def _persistence(self, hits: list[checks.Hit], every_lr_zero: bool = False) -> list[tuple[str, checks.Hit]]:
         """Each hit with its severity: a pattern of ``PERSISTING`` is information until it has
-        held at ``PERSIST_STEPS`` logged steps in a row, then a warning (said once more)."""
+        held at ``PERSIST_STEPS`` logged steps in a row, then a warning (said once more). A
+        learning rate of 0 in every param group is a warning at once: nothing trains."""
         held = {(h[0], h[1]) for h in hits if h[0] in PERSISTING}
         self._runs = {key: self._runs.get(key, 0) + 1 for key in held}
         out = []
@@ -173,7 +175,10 @@ class LiveChecks:
             kind, name, detail, evidence = hit
             severity = ERROR if (kind, name) == ("no_gradient", "<model>") else KINDS[kind]
             run = self._runs.get((kind, name), 0)
-            if kind in PERSISTING and name != "<model>":
+            if kind == "lr_zero" and every_lr_zero:
+                severity = WARNING
+                detail += "; every param group's learning rate is 0: nothing trains"
+            elif kind in PERSISTING and name != "<model>":
                 if run >= PERSIST_STEPS:
                     severity = WARNING
                     detail += f"; at {run} logged steps in a row: {_PERSISTED[kind]}"
@@ -276,6 +281,12 @@ def _finding(step: int, group: list[checks.Hit], severity: str) -> LiveFinding:
         detail += f"; the same for {len(others)} more: {', '.join(others[:6])}" + (" ..." if len(others) > 6 else "")
         evidence = {**evidence, "tensors": len(group)}
     return LiveFinding(kind, name, detail, severity, step=step, evidence=evidence)
+
+
+def _every_lr_zero(optimizer: Optional[torch.optim.Optimizer]) -> bool:
+    if optimizer is None or not optimizer.param_groups:
+        return False
+    return all(float(g.get("lr", math.nan)) == 0 for g in optimizer.param_groups)
 
 
 def _user_level() -> int:
