@@ -162,7 +162,8 @@ def _no_gradient(tr: Transition, i: int) -> Finding:
 def _redundant(tr: Transition, i: int) -> Finding | None:
     """A gradient zero by the architecture's algebra: the tensor's operation feeds a
     normalisation or softmax that cancels it (``graph.NORMALISERS``), and its gradient is round-off
-    beside its peers' (below sqrt(eps32) of the median gradient norm of the tensors feeding it)."""
+    beside its peers' (below sqrt(eps32) of the median gradient norm of the other tensors that
+    feed an operation of that kind in the model)."""
     if i not in tr.feeds or tr.state[i] not in ("zero", "tiny"):
         return None
     peers = [j for j, label in tr.feeds.items() if label == tr.feeds[i] and j != i and tr.state[j] == "finite"]
@@ -172,9 +173,9 @@ def _redundant(tr: Transition, i: int) -> Finding | None:
     if not tr.g_norm[i] <= ROUNDOFF * reference:
         return None
     return Finding("redundant_parameter", tr.rows[i].name, (
-        f"its gradient is zero up to round-off ({tr.g_norm[i]:.3g}, against {reference:.3g} for the other tensors "
-        f"feeding the same operation): it feeds {tr.feeds[i]}, which cancels it by its algebra (a bias or shift in "
-        "front of a train-mode normalisation, a key bias under a softmax). The parameter is redundant"), INFO)
+        f"its gradient is zero up to round-off ({tr.g_norm[i]:.3g}, against a median of {reference:.3g} for the other "
+        f"tensors feeding such an operation): it feeds {tr.feeds[i]}, which cancels it by its algebra (a bias or "
+        "shift in front of a train-mode normalisation, a key bias under a softmax). The parameter is redundant"), INFO)
 
 
 def _small_by_design(tr: Transition, tiny_factor: float) -> list[int]:
