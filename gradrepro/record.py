@@ -448,7 +448,10 @@ class Recorder:
         outside = [n for n, p in zip(self.probe.names, self.probe.params)
                    if p.requires_grad and held is not None and id(p) not in held]
         modules = self.records.modules()
-        over = findings_over_steps(modules, frozen, outside) if "grad_state" in modules else []
+        lrs = ({id(p): float(g.get("lr", math.nan)) for g in self.optimizer.param_groups for p in g["params"]}
+               if self.optimizer else {})
+        updates = {n: (lrs.get(id(p), math.nan), p.dtype) for n, p in zip(self.probe.names, self.probe.params)}
+        over = findings_over_steps(modules, frozen, outside, updates) if "grad_state" in modules else []
         clip = clipped_while_scaled(self.records.scalars())  # a clip before the scaler's unscale
         over = ([clip] if clip is not None else []) + over
         seen = {(f.kind, f.name) for f in over}  # summarised over the steps: they stand for the live ones

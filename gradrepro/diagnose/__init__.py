@@ -80,10 +80,13 @@ def diagnose(
 
     ``closure()`` computes and returns the scalar loss (no backward, no zero_grad: diagnose does
     both). ``tiny_factor``: a gradient is tiny when its grad/param ratio is this many times below
-    the model's median. ``stale_factor``: a gradient present before the call is stale when it is
-    more than this many times the fresh one (backward passes summed); one about the size of a
-    fresh one is what a loop that zeroes at the start of each step leaves behind. ``fp16_fraction``:
-    share of non-zero entries below fp16's flush threshold that raises ``fp16_underflow``.
+    the model's median. ``stale_factor``: a gradient present before the call that was added to in place
+    (its version counter is not 0) is stale when it is more than this many times the fresh one
+    (backward passes summed); one written by a single backward (version 0), or about the size of
+    a fresh one, is what a loop that zeroes at the start of each step leaves behind.
+    ``fp16_fraction``: share of non-zero entries below fp16's flush threshold that raises
+    ``fp16_underflow``, where the gradient is in fp16 (an fp16 tensor or fp16 autocast).
+    Severities follow ``gradrepro.diagnose.severity``.
     ``rtol``: tolerance of the update check, relative to the predicted change.
     """
     check_inputs(model, optimizer, closure)
@@ -94,7 +97,7 @@ def diagnose(
     if lazy:
         tr.notes.append(f"lazy module(s) {', '.join(lazy)} were initialised by one dry run of the closure "
                         "(eval mode, no gradients) before the transition")
-    findings = findings_of(tr, model, unregistered, step, stale_factor, fp16_fraction)
+    findings = findings_of(tr, model, unregistered, step, stale_factor, fp16_fraction, tiny_factor)
     return Report(findings, report_table(tr), tr.loss_value, tr.stepped, type(optimizer).__name__, tr.notes,
                   {r.name: r.tensor for r in rows})
 

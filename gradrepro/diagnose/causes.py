@@ -210,3 +210,26 @@ def loss_depends(closure: Callable[[], Any], tensor: torch.Tensor, seed: int = 0
         finally:
             tensor.copy_(saved)
     return moved != base
+
+
+# Other draws of the model's randomness (dropout, stochastic depth) tried for a zero or missing
+# gradient: a block stochastic depth drops for a whole batch of B samples at rate p is dropped on
+# a draw with probability p^B, so two more draws find it kept unless p^B is large.
+_DRAWS = (1, 2)
+
+
+def drawn_zeros(closure: Callable[[], Any], tensors: list[torch.Tensor], which: list[int]) -> set[int]:
+    """The indices in ``which`` whose gradient is non-zero under another random seed: their zero
+    (or missing) gradient is a draw of the model's randomness, not its structure."""
+    found: set[int] = set()
+    for seed in _DRAWS:
+        left = [i for i in which if i not in found]
+        if not left:
+            break
+        with torch.random.fork_rng(), torch.enable_grad():
+            loss = _loss(closure, seed)
+            if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+                return found
+            grads = torch.autograd.grad(loss, [tensors[i] for i in left], allow_unused=True)
+        found |= {i for i, g in zip(left, grads) if g is not None and bool(g.any())}
+    return found

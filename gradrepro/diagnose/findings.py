@@ -9,15 +9,17 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import torch
 from torch import nn
 
 from gradrepro.diagnose.report import ERROR, INFO, WARNING, Finding
+from gradrepro.diagnose.severity import PERSIST_STEPS, ROUNDOFF
 from gradrepro.diagnose.step_findings import step_findings
 from gradrepro.diagnose.transition import Transition, _norm
 
 
 def findings_of(tr: Transition, model: nn.Module, unregistered: list[tuple[str, Any]], step: bool,
-                stale_factor: float, fp16_fraction: float) -> list[Finding]:
+                stale_factor: float, fp16_fraction: float, tiny_factor: float) -> list[Finding]:
     """Every finding, in the order the report lists them."""
     findings: list[Finding] = []
     if not tr.graph:
@@ -25,7 +27,7 @@ def findings_of(tr: Transition, model: nn.Module, unregistered: list[tuple[str, 
         findings.append(Finding("no_graph", "<loss>", f"the loss has no graph (computed under {how}); "
                                 "no parameter can receive a gradient", ERROR))
     findings += _registration_findings(tr, unregistered)
-    findings += _gradient_findings(tr, fp16_fraction)
+    findings += _gradient_findings(tr, fp16_fraction, tiny_factor)
     findings += _zero_init_findings(tr)
     findings += _accumulation_findings(tr, stale_factor)
     findings += step_findings(tr)
@@ -85,10 +87,11 @@ def _orphan_finding(r, in_opt: bool) -> Finding:
         + " (nn.Parameter(...) followed by .to(...), .double(), .cuda() at assignment)"), ERROR)
 
 
-def _gradient_findings(tr: Transition, fp16_fraction: float) -> list[Finding]:
+def _gradient_findings(tr: Transition, fp16_fraction: float, tiny_factor: float) -> list[Finding]:
     """Per registered tensor: frozen, outside the optimizer, and its gradient's state."""
     before_norm, had_before = _before_norms(tr)
     state, g_norm, has = tr.state, tr.g_norm, tr.has
+    small = _small_by_design(tr, tiny_factor)
     findings = []
     for i, r in enumerate(tr.rows):
         if not r.registered:
@@ -106,30 +109,99 @@ def _gradient_findings(tr: Transition, fp16_fraction: float) -> list[Finding]:
                     if had_before[i] and has[i] and g_norm[i] > 0 else "")
             findings.append(Finding("not_in_optimizer", r.name, "trainable and registered, but no param group holds "
                                     "this tensor (compared by identity)" + held, ERROR))
+        redundant = _redundant(tr, i)
         if tr.graph and state[i] == "none":
-            why = {True: "the loss depends on it (it changes when the parameter is nudged), so the path is "
-                         "severed: detach, no_grad, or a .item()/torch.tensor rebuild",
-                   False: "the loss does not depend on it at all: an unused branch or output",
-                   None: "run check_derivative(closure, param) to tell a severed path from an unused one",
-                   }[tr.depends[i]]
-            if i in tr.cuts:
-                why = "the path is cut by " + "; ".join(tr.cuts[i])
-            findings.append(Finding("no_gradient", r.name, f".grad is None after backward: no graph path from the "
-                                    f"loss; {why}", ERROR))
+            findings.append(_no_gradient(tr, i))
+        elif state[i] == "zero" and redundant:
+            findings.append(redundant)
+        elif state[i] == "zero" and i in tr.stochastic:
+            findings.append(Finding("zero_gradient", r.name, _DRAWN, INFO))
         elif state[i] == "zero" and i not in tr.zero_causes:
             cut = ("; its path goes through " + "; ".join(tr.cuts[i])) if i in tr.cuts else ""
-            findings.append(Finding("zero_gradient", r.name, f"the gradient is exactly zero everywhere{cut}", ERROR))
+            findings.append(Finding("zero_gradient", r.name, f"the gradient is exactly zero everywhere{cut}", WARNING))
         elif state[i] == "nonfinite":
             findings.append(Finding("nonfinite_gradient", r.name, f"{int(tr.nonfinite[i])} of {int(tr.numel[i])} "
                                     "gradient entries are NaN or Inf", ERROR))
         elif state[i] == "tiny":
-            findings.append(Finding("tiny_gradient", r.name, f"grad/param ratio {tr.g_to_p[i]:.3g} is "
-                                    f"{tr.median / tr.g_to_p[i]:.3g} times below the model's median {tr.median:.3g}",
-                                    WARNING))
-        if state[i] in ("finite", "tiny") and tr.flush[i] > fp16_fraction:
+            findings.append(redundant or _tiny(tr, i, small))
+        # A precision finding only where the gradient is in float16: a float16 tensor, or the loss
+        # computed under float16 autocast (in float32 nothing flushes).
+        in_fp16 = tr.fp16 or t.dtype == torch.float16
+        if in_fp16 and state[i] in ("finite", "tiny") and tr.flush[i] > fp16_fraction:
             findings.append(Finding("fp16_underflow", r.name, f"{tr.flush[i]:.0%} of its non-zero gradient entries "
                                     "are below 2^-24 and would flush to zero in fp16", WARNING))
     return findings
+
+
+_DRAWN = ("zero on this draw of the model's randomness (dropout, stochastic depth): with another random seed its "
+          "gradient is not zero")
+
+
+def _no_gradient(tr: Transition, i: int) -> Finding:
+    """Severed (the loss depends on it) is an error; unused (it does not) a warning, since a
+    branch left out of the loss may be on purpose; one another random draw uses, information."""
+    name = tr.rows[i].name
+    if i in tr.cuts:
+        return Finding("no_gradient", name, ".grad is None after backward: no graph path from the loss; the path is "
+                       "cut by " + "; ".join(tr.cuts[i]), ERROR)
+    if tr.depends[i] is True:
+        return Finding("no_gradient", name, ".grad is None after backward: no graph path from the loss; the loss "
+                       "depends on it (it changes when the parameter is nudged), so the path is severed: detach, "
+                       "no_grad, or a .item()/torch.tensor rebuild", ERROR)
+    if i in tr.stochastic:
+        return Finding("no_gradient", name, ".grad is None after backward, but " + _DRAWN.replace("zero", "absent", 1),
+                       INFO)
+    if tr.depends[i] is False:
+        return Finding("no_gradient", name, ".grad is None after backward: the loss does not use it (an unused "
+                       "branch or output, such as an auxiliary head left out of the loss). Nothing to fix if on "
+                       "purpose; DistributedDataParallel then needs find_unused_parameters=True", WARNING)
+    return Finding("no_gradient", name, ".grad is None after backward: no graph path from the loss; run "
+                   "check_derivative(closure, param) to tell a severed path from an unused one", ERROR)
+
+
+def _redundant(tr: Transition, i: int) -> Finding | None:
+    """A gradient zero by the architecture's algebra: the tensor's operation feeds a
+    normalisation or softmax that cancels it (``graph.NORMALISERS``), and its gradient is round-off
+    beside its peers' (below sqrt(eps32) of the median gradient norm of the other tensors that
+    feed an operation of that kind in the model)."""
+    if i not in tr.feeds or tr.state[i] not in ("zero", "tiny"):
+        return None
+    peers = [j for j, label in tr.feeds.items() if label == tr.feeds[i] and j != i and tr.state[j] == "finite"]
+    if not peers:
+        return None
+    reference = float(np.median(tr.g_norm[peers]))
+    if not tr.g_norm[i] <= ROUNDOFF * reference:
+        return None
+    return Finding("redundant_parameter", tr.rows[i].name, (
+        f"its gradient is zero up to round-off ({tr.g_norm[i]:.3g}, against a median of {reference:.3g} for the other "
+        f"tensors feeding such an operation): it feeds {tr.feeds[i]}, which cancels it by its algebra (a bias or "
+        "shift in front of a train-mode normalisation, a key bias under a softmax). The parameter is redundant"), INFO)
+
+
+def _small_by_design(tr: Transition, tiny_factor: float) -> list[int]:
+    """Trainable tensors small by design (LayerScale's gain at 1e-5): non-zero, held by the
+    optimizer, whose values are ``tiny_factor`` times below the model's median (root mean square):
+    a gradient behind one is attenuated by it until the steps grow it."""
+    rms = np.where(tr.numel > 0, tr.p_norm / np.sqrt(np.maximum(tr.numel, 1)), np.nan)
+    movable = np.array([r.registered and tr.requires[k] and id(r.tensor) in tr.members and tr.p_norm[k] > 0
+                        for k, r in enumerate(tr.rows)])
+    if not movable.any():
+        return []
+    median = float(np.median(rms[movable]))
+    return [int(k) for k in np.flatnonzero(movable & (rms < median / tiny_factor))]
+
+
+def _tiny(tr: Transition, i: int, small: list[int]) -> Finding:
+    detail = f"grad/param ratio {tr.g_to_p[i]:.3g} is {tr.median / tr.g_to_p[i]:.3g} times below the model's median " \
+             f"{tr.median:.3g}"
+    if small:
+        names = ", ".join(tr.rows[k].name for k in small[:4]) + (" ..." if len(small) > 4 else "")
+        return Finding("tiny_gradient", tr.rows[i].name, detail + (
+            f"; the model has {len(small)} trainable tensor(s) small by design ({names}: a gain such as LayerScale "
+            "at 1e-5), which attenuate what is behind them until the steps grow them. One transition cannot tell "
+            f"that from a vanishing gradient: gradrepro.record says when it holds at {PERSIST_STEPS} logged steps in "
+            "a row"), INFO)
+    return Finding("tiny_gradient", tr.rows[i].name, detail, WARNING)
 
 
 def _zero_init_findings(tr: Transition) -> list[Finding]:
@@ -166,19 +238,26 @@ def _accumulation_findings(tr: Transition, stale_factor: float) -> list[Finding]
     fresh_total = float(np.sqrt(np.sum(g_norm[both] ** 2))) if both.any() else 0.0
     total = float(np.sqrt(np.sum(before_norm[both] ** 2))) if both.any() else math.inf
     ratio = total / fresh_total if fresh_total > 0 else math.inf
-    if not np.isfinite(before_norm[present]).all() or ratio > stale_factor or not both.any():
-        findings = []
-        for i in np.flatnonzero(present):
-            own = before_norm[i] / g_norm[i] if tr.has[i] and g_norm[i] > 0 else math.inf
-            findings.append(Finding("stale_gradient", tr.rows[i].name, (
-                f"a gradient was already in .grad before the diagnostic backward ({own:.3g} times the fresh "
-                f"one; {ratio:.3g} times over the model): backward passes are being summed, no zero_grad "
-                "at the accumulation boundary"), ERROR))
-        return findings
-    return [Finding("leftover_gradient", "<model>", (
-        f"{int(present.sum())} tensor(s) held a gradient from an earlier backward, {ratio:.2g} times a "
-        "fresh one over the model: what a loop that zeroes before each backward leaves after its step; "
-        "diagnose used a fresh gradient"), INFO)]
+    # Autograd adds a second backward's gradient into .grad in place, which bumps the tensor's
+    # version counter; a .grad at version 0 was written by one backward alone (what a loop that
+    # sets gradients to None before each backward leaves), so it cannot be a sum of them.
+    single = all(tr.grads_before[i]._version == 0 for i in np.flatnonzero(present))
+    finite = bool(np.isfinite(before_norm[present]).all())
+    if finite and (single or (both.any() and ratio <= stale_factor)):
+        how = ("each written by one backward pass alone (none was added to in place)" if single else
+               f"{ratio:.2g} times a fresh one over the model")
+        return [Finding("leftover_gradient", "<model>", (
+            f"{int(present.sum())} tensor(s) held a gradient from an earlier backward, {how}: what a loop that "
+            "zeroes before each backward leaves after its step; diagnose used a fresh gradient"), INFO)]
+    findings = []
+    for i in np.flatnonzero(present):
+        own = before_norm[i] / g_norm[i] if tr.has[i] and g_norm[i] > 0 else math.inf
+        findings.append(Finding("stale_gradient", tr.rows[i].name, (
+            f"a gradient was already in .grad before the diagnostic backward, added to in place since it was made "
+            f"({own:.3g} times the fresh one; {ratio:.3g} times over the model): backward passes are being summed, "
+            "no zero_grad at the accumulation boundary? One snapshot cannot tell that from in-place clipping and "
+            "a large earlier gradient; gradrepro.record's live check tells exactly"), WARNING))
+    return findings
 
 
 def _context_findings(tr: Transition, model: nn.Module) -> list[Finding]:

@@ -70,3 +70,57 @@ def real_flat(t: torch.Tensor) -> torch.Tensor:
     products and cosines of complex tensors are those of their real views)."""
     t = wide(t)
     return (torch.view_as_real(t) if t.is_complex() else t).reshape(-1)
+
+
+# Operations whose output is invariant to a constant shift of (part of) their input, by their
+# algebra: batch and instance normalisation subtract the per-channel mean over the batch (and
+# positions); softmax over keys, alone or inside scaled dot-product attention, is unchanged by a
+# score added to every key of one query (softmax(z + c) = softmax(z)), which is what a key bias
+# adds (q . b_k is the same for every key). Node names are those of torch's autograd functions.
+NORMALISERS = (
+    ("BatchNorm", "a batch normalisation in train mode (it subtracts the per-channel batch mean)"),
+    ("InstanceNorm", "an instance normalisation (it subtracts the per-channel mean)"),
+    ("NativeGroupNorm", "a group normalisation (it subtracts the per-group mean)"),
+    ("NativeLayerNorm", "a layer normalisation (it subtracts the mean over features)"),
+    ("ScaledDotProduct", "the softmax of an attention (it is unchanged by a score added to every key)"),
+    ("Softmax", "a softmax (it is unchanged by a constant added to all its inputs)"),
+)
+# Operations between a parameter's op and the normalisation that keep the structure: shapes,
+# copies, sums with other terms and the linear maps that hold the parameter.
+_PASS = ("View", "Reshape", "Transpose", "Permute", "Expand", "Clone", "Contiguous", "Unsqueeze", "Squeeze",
+         "Split", "Chunk", "Slice", "Select", "Unbind", "Cat", "Stack", "UnsafeView", "ToCopy", "Add", "Sub",
+         "Addmm", "Mm", "Bmm", "Matmul", "Linear", "Convolution", "Mul", "Div", "Alias", "As")
+_DEPTH = 12  # nodes walked back from a normalisation (a linear map, a reshape and a transpose or two)
+
+
+def feeds_normaliser(root: object) -> dict[int, str]:
+    """id(leaf) -> the normalisation or softmax a leaf's operation feeds (``NORMALISERS``),
+    reached from the loss's ``grad_fn`` through shape and linear operations only."""
+    found: dict[int, str] = {}
+    stack, seen = [root], set()
+    while stack and len(seen) < _WALK_LIMIT:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        name = type(node).__name__
+        label = next((words for key, words in NORMALISERS if key in name), None)
+        if label is not None:
+            _leaves_near(node, label, found)
+        stack.extend(child for child, _ in getattr(node, "next_functions", ()))
+    return found
+
+
+def _leaves_near(start: object, label: str, found: dict[int, str]) -> None:
+    frontier, seen = [(child, 1) for child, _ in start.next_functions], set()
+    while frontier:
+        node, depth = frontier.pop()
+        if node is None or node in seen or depth > _DEPTH:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if isinstance(leaf, torch.Tensor):
+            found.setdefault(id(leaf), label)
+            continue
+        if any(key in type(node).__name__ for key in _PASS):
+            frontier.extend((child, depth + 1) for child, _ in node.next_functions)

@@ -23,6 +23,7 @@ read the gradients when backward begins and one multi-tensor norm when it ends
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import warnings
 import weakref
@@ -36,8 +37,9 @@ from torch.utils._pytree import tree_flatten
 
 from gradrepro.diagnose import invariants
 from gradrepro.diagnose import live_checks as checks
-from gradrepro.diagnose.report import ERROR, NEXT_CHECK, WARNING, Finding
+from gradrepro.diagnose.report import ERROR, INFO, NEXT_CHECK, WARNING, Finding
 from gradrepro.diagnose.rule_check import UpdateRuleCheck
+from gradrepro.diagnose.severity import PERSIST_STEPS
 from gradrepro.errors import UserError
 from gradrepro.probe.shards import local
 from gradrepro.records.files import write_json
@@ -47,14 +49,24 @@ log = logging.getLogger(__name__)
 FINDINGS = "findings.json"
 ON_FINDING = ("warn", "raise", "log")
 # Every kind the live checks report, with its severity.
+# ``no_gradient`` of one tensor and ``lr_zero`` are patterns healthy loops show for a while (an
+# expert without tokens, a group held at lr 0): information when they appear, and a warning
+# once they have held at every one of PERSIST_STEPS logged steps in a row (``severity``).
+# ``no_gradient`` of the whole model (the loss does not reach it) is an error at once.
 KINDS: dict[str, str] = {
-    "not_in_optimizer": ERROR, "stale_optimizer_param": ERROR, "lr_zero": ERROR, "not_updated": ERROR,
-    "no_gradient": ERROR, "grad_modified": ERROR, "nonfinite_gradient": ERROR, "stale_gradient": ERROR,
+    "not_in_optimizer": ERROR, "stale_optimizer_param": ERROR, "lr_zero": INFO, "not_updated": ERROR,
+    "no_gradient": INFO, "grad_modified": ERROR, "nonfinite_gradient": ERROR, "stale_gradient": ERROR,
     "eval_mode": WARNING, "frozen_norm_drift": WARNING, "loss_scale_backoff": ERROR,
 }
 KINDS.update(invariants.KINDS)  # the step's invariants (diagnose.invariants, diagnose.rule_check)
 KINDS["update_mismatch"] = WARNING
 NEXT_CHECK.update(invariants.NEXT_CHECK)
+PERSISTING = ("no_gradient", "lr_zero")
+_PERSISTED = {
+    "no_gradient": "the loss does not use it: an auxiliary head or branch left out of the loss? Nothing to fix if on "
+                   "purpose; DistributedDataParallel then needs find_unused_parameters=True",
+    "lr_zero": "its param group is held at learning rate 0: it does not train",
+}
 # GradScaler halves its scale on every step with an overflow (torch.amp.GradScaler docs,
 # backoff_factor=0.5). Below a scale of 1 it shrinks the gradients instead of amplifying
 # them, so an overflow there is not one the scale caused: the backoff will not end.
@@ -111,7 +123,8 @@ class LiveChecks:
         self.model, self.optimizer, self.probe, self.scaler = model, optimizer, probe, scaler
         self.path, self.on_finding, self.silence = Path(run_dir) / FINDINGS, on_finding, set(silence)
         self.found: list[LiveFinding] = []
-        self._seen: set[tuple[str, str]] = set()
+        self._seen: set[tuple[str, str, str]] = set()  # (kind, name, severity) reported
+        self._runs: dict[tuple[str, str], int] = {}  # (kind, name) -> logged steps in a row it held
         self._sensitive = checks.mode_sensitive(model)
         self._sensitive += invariants.training_readers(model, self._sensitive)
         self.invariants = invariants.StepInvariants(probe.names, probe.params, optimizer)
@@ -166,11 +179,12 @@ class LiveChecks:
         for step, hit in self.invariants.hits(logged):
             by_step.setdefault(step, []).append(hit)
         for step, hits in by_step.items():
-            self._report(step, hits)
+            self._report(step, [(KINDS[hit[0]], hit) for hit in hits])
 
     def recorder_failed(self, step: int, exc: BaseException, where: str) -> None:
         """The recorder's own failure, as one ``recorder_error`` finding."""
-        self._report(step, [invariants.recorder_error_hit(exc, where)])
+        hit = invariants.recorder_error_hit(exc, where)
+        self._report(step, [(KINDS[hit[0]], hit)])
 
     def before_step(self) -> None:
         """The gradients are complete; the probe has not read them yet."""
@@ -196,7 +210,32 @@ class LiveChecks:
         hits += [h for h in self.trail.found if (h[0], h[1]) not in kinds]  # one finding of a kind and name
         if step == 0:  # a linear warm-up from 0 takes its first step at lr 0 by design
             hits = [h for h in hits if h[0] != "lr_zero"]
-        self._report(step, hits)
+        self._report(step, self._persistence(hits, _every_lr_zero(self.optimizer)))
+
+    def _persistence(self, hits: list[checks.Hit], every_lr_zero: bool = False) -> list[tuple[str, checks.Hit]]:
+        """Each hit with its severity: a pattern of ``PERSISTING`` is information until it has
+        held at ``PERSIST_STEPS`` logged steps in a row, then a warning (said once more). A
+        learning rate of 0 in every param group is a warning at once: nothing trains."""
+        held = {(h[0], h[1]) for h in hits if h[0] in PERSISTING}
+        self._runs = {key: self._runs.get(key, 0) + 1 for key in held}
+        out = []
+        for hit in hits:
+            kind, name, detail, evidence = hit
+            severity = ERROR if (kind, name) == ("no_gradient", "<model>") else KINDS[kind]
+            run = self._runs.get((kind, name), 0)
+            if kind == "lr_zero" and every_lr_zero:
+                severity = WARNING
+                detail += "; every param group's learning rate is 0: nothing trains"
+            elif kind in PERSISTING and name != "<model>":
+                if run >= PERSIST_STEPS:
+                    severity = WARNING
+                    detail += f"; at {run} logged steps in a row: {_PERSISTED[kind]}"
+                    evidence = {**evidence, "logged_steps_in_a_row": run}
+                else:
+                    detail += (f" (information until it holds at {PERSIST_STEPS} logged steps in a row: healthy loops "
+                               "show it for a while)")
+            out.append((severity, (kind, name, detail, evidence)))
+        return out
 
     def disarm(self) -> None:
         for handle in self._handles:
@@ -260,22 +299,23 @@ class LiveChecks:
         if self.scaler is None:
             return
         if self._scale is not None and scale < self._scale and scale < SCALE_FLOOR:
-            self._report(step, [("loss_scale_backoff", "<scaler>", (
+            self._report(step, [(KINDS["loss_scale_backoff"], ("loss_scale_backoff", "<scaler>", (
                 f"the GradScaler backed off to a scale of {scale:.3g} (from {self._scale:.3g}): below 1 every step "
                 "still overflows, so the gradients are non-finite whatever the scale and every step is skipped"),
-                {"loss_scale": scale, "previous_scale": self._scale})])
+                {"loss_scale": scale, "previous_scale": self._scale}))])
         self._scale = scale
 
     # -- reporting ----------------------------------------------------------------------------
-    def _report(self, step: int, hits: list[checks.Hit]) -> None:
-        fresh: dict[str, list[checks.Hit]] = {}
-        for hit in hits:
+    def _report(self, step: int, hits: list[tuple[str, checks.Hit]]) -> None:
+        """``hits``: (severity, hit). Each (kind, tensor) is said once per severity."""
+        fresh: dict[tuple[str, str], list[checks.Hit]] = {}
+        for severity, hit in hits:
             kind, name = hit[0], hit[1]
-            if kind in self.silence or (kind, name) in self._seen:
+            if kind in self.silence or (kind, name, severity) in self._seen:
                 continue
-            self._seen.add((kind, name))
-            fresh.setdefault(kind, []).append(hit)
-        new = [_finding(step, group) for group in fresh.values()]
+            self._seen.add((kind, name, severity))
+            fresh.setdefault((kind, severity), []).append(hit)
+        new = [_finding(step, group, severity) for (_, severity), group in fresh.items()]
         if not new:
             return
         self.found += new
@@ -292,14 +332,20 @@ class LiveChecks:
                 warnings.warn(str(f), TrainingFinding, stacklevel=_user_level())
 
 
-def _finding(step: int, group: list[checks.Hit]) -> LiveFinding:
+def _finding(step: int, group: list[checks.Hit], severity: str) -> LiveFinding:
     """One finding per kind and step: the first tensor's detail, the others named."""
     kind, name, detail, evidence = group[0]
     if len(group) > 1:
         others = [h[1] for h in group[1:]]
         detail += f"; the same for {len(others)} more: {', '.join(others[:6])}" + (" ..." if len(others) > 6 else "")
         evidence = {**evidence, "tensors": len(group)}
-    return LiveFinding(kind, name, detail, KINDS[kind], step=step, evidence=evidence)
+    return LiveFinding(kind, name, detail, severity, step=step, evidence=evidence)
+
+
+def _every_lr_zero(optimizer: Optional[torch.optim.Optimizer]) -> bool:
+    if optimizer is None or not optimizer.param_groups:
+        return False
+    return all(float(g.get("lr", math.nan)) == 0 for g in optimizer.param_groups)
 
 
 def _user_level() -> int:

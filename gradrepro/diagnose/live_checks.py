@@ -153,9 +153,10 @@ def column_hits(step: int, names: list[str], params: list[torch.Tensor], columns
                          "forward)", {"grad_state": 0.0}))
     for i in trainable:
         if state[i] == "nonfinite":
-            frac = float(columns["frac_nonfinite"][i])
-            hits.append(("nonfinite_gradient", names[i], f"{frac:.3g} of its gradient entries are NaN or Inf at "
-                         f"step {step}", {"frac_nonfinite": frac}))
+            frac, numel = float(columns["frac_nonfinite"][i]), params[i].numel()
+            count = int(round(frac * numel))  # the probe's column is a fraction of the entries
+            hits.append(("nonfinite_gradient", names[i], f"{count} of its {numel} gradient entries ({frac:.1%}) are "
+                         f"NaN or Inf at step {step}", {"frac_nonfinite": frac, "nonfinite_entries": count}))
         elif state[i] in ("finite", "tiny") and u_to_p[i] == 0 and id(params[i]) in lrs:
             lr = lrs[id(params[i])]
             if lr > 0 and _below_resolution(params[i], lr * float(g_norm[i]), float(columns["param_norm"][i])):

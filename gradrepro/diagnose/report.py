@@ -47,6 +47,8 @@ NEXT_CHECK: dict[str, str] = {
     "stale_gradient": "call optimizer.zero_grad() at every accumulation boundary (before each backward "
     "that starts a new step)",
     "leftover_gradient": "nothing to fix if your loop calls zero_grad before each backward",
+    "redundant_parameter": "nothing to fix; the parameter can be dropped (bias=False on a layer in front of a "
+    "batch normalisation, no bias on the key projection of an attention), which saves its memory and compute",
     "not_updated": "check the param group's lr (a warm-up at 0?), a step hook, or an update below the "
     "parameter dtype's resolution",
     "update_mismatch": "look for something else that writes the parameter or its .grad between backward "

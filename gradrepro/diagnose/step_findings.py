@@ -5,10 +5,10 @@ parameter's actual change against the one its update rule predicts."""
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from gradrepro.diagnose.graph import wide
 from gradrepro.diagnose.report import ERROR, INFO, WARNING, Finding
+from gradrepro.diagnose.severity import below_resolution
 from gradrepro.diagnose.transition import Transition, _norm, group_lr
 from gradrepro.diagnose.used_gradient import describe, severity_of
 
@@ -46,6 +46,18 @@ def _forward_findings(tr: Transition) -> list[Finding]:
     return findings
 
 
+def _not_updated_severity(tr: Transition, lr: float, rounds: bool) -> str:
+    """Below the dtype's resolution: rounding (information). At lr 0 in one param group: a
+    warm-up or a group held on purpose (information; a warning when every group is at 0, for
+    then nothing trains). Otherwise the update rule is contradicted: an error."""
+    if rounds:
+        return INFO
+    if lr == 0:
+        lrs = {group_lr(m) for m in tr.members.values()}
+        return WARNING if lrs == {0.0} else INFO
+    return ERROR
+
+
 def _update_findings(tr: Transition) -> list[Finding]:
     """After a step: a parameter the optimizer should have moved and did not, or moved otherwise."""
     if not tr.stepped:
@@ -60,14 +72,17 @@ def _update_findings(tr: Transition) -> list[Finding]:
         if (id(t) in tr.members and tr.state[i] in ("finite", "tiny") and not tr.changed[i]
                 and change in ("same", "scaled", "removed")):
             expected = tr.expected[i]
-            rounds = expected > 0 and expected < 0.5 * torch.finfo(t.dtype).eps * tr.p_norm[i]
+            # The rule's own prediction, made in the tensor's dtype, moves nothing (it rounds away),
+            # or moves it by under half an ulp of its norm: no change is what the dtype allows.
+            rounds = change != "removed" and lr != 0 and (
+                expected == 0 or below_resolution(float(expected), float(tr.p_norm[i]), t.dtype))
             detail = ("finite non-zero gradient and held by the optimizer, yet unchanged by the step"
                       + (f"; its group's lr is {lr:g}" if lr == 0 else "")
                       + ("; its .grad was removed (set to None) between backward and the step, so the optimizer "
                          "skipped it" if change == "removed" else "")
-                      + (f"; the predicted change {expected:.3g} is below the resolution of "
-                         f"{t.dtype}" if rounds else ""))
-            findings.append(Finding("not_updated", r.name, detail, WARNING if lr == 0 else ERROR))
+                      + (f"; the predicted change {expected:.3g} is below half an ulp of the tensor in "
+                         f"{str(t.dtype).replace('torch.', '')}: rounding, not a bug" if rounds else ""))
+            findings.append(Finding("not_updated", r.name, detail, _not_updated_severity(tr, lr, rounds)))
         elif tr.changed[i] and not tr.matches[i]:
             findings.append(Finding("update_mismatch", r.name, (
                 f"moved by {tr.update_norm[i]:.4g}; the {tr.rule or 'optimizer'} rule predicts "

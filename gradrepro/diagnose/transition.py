@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from gradrepro.diagnose import causes
-from gradrepro.diagnose.graph import dense, wide
+from gradrepro.diagnose.graph import dense, feeds_normaliser, wide
 from gradrepro.diagnose.inputs import DiagnoseValueError, check_loss
 from gradrepro.diagnose.registration import Row, optimizer_members, scan_attributes
 from gradrepro.diagnose.update_rule import SUPPORTED, predict, rule_name, snapshot_state
@@ -61,6 +61,9 @@ class Transition:
     median: float = math.nan  # the registered tensors' median grad/param ratio
     depends: list = field(default_factory=list)  # does the loss depend on it: bool | None
     zero_causes: dict = field(default_factory=dict)  # index -> indices of the zero-initialised weights in front
+    feeds: dict = field(default_factory=dict)  # index -> the normalisation or softmax its operation feeds
+    stochastic: set = field(default_factory=set)  # zero or missing gradients that other random draws give
+    fp16: bool = False  # the loss was computed under float16 autocast
     cuts: dict = field(default_factory=dict)  # index -> the calls that cut or flatten its path
     # -- around the step (``_step_and_predict``)
     at_step: list = field(default_factory=list)  # the parameters as the step found them (after forward)
@@ -95,8 +98,11 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
     try:
         for t in tensors:
             t.grad = None
-        loss = _fresh_loss(closure, tensors)
+        loss, tr.fp16 = _fresh_loss(closure, tensors, model)
         tr.loss_value = float(loss.detach().double())
+        if loss.grad_fn is not None:
+            feeds = feeds_normaliser(loss.grad_fn)
+            tr.feeds = {i: feeds[id(t)] for i, t in enumerate(tensors) if id(t) in feeds}
         tr.graph = loss.requires_grad
         tr.inference = loss.is_inference()
         unhooked = loss_gradients(loss, tensors) if tr.graph else None
@@ -129,14 +135,32 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
     return tr
 
 
-def _fresh_loss(closure: Callable[[], torch.Tensor], tensors: list[torch.Tensor]) -> torch.Tensor:
-    with torch.enable_grad():
-        loss = check_loss(closure())
+def _fresh_loss(closure: Callable[[], torch.Tensor], tensors: list[torch.Tensor],
+                model: nn.Module) -> tuple[torch.Tensor, bool]:
+    """The closure's loss, and whether float16 autocast was on when the model ran."""
+    seen: list[bool] = []
+    handle = model.register_forward_pre_hook(lambda *_: seen.append(fp16_autocast()))
+    try:
+        with torch.enable_grad():
+            loss = check_loss(closure())
+    finally:
+        handle.remove()
     if any(t.grad is not None for t in tensors):
         raise DiagnoseValueError(
             "the closure ran backward() itself (gradients appeared while it ran); pass a closure that "
             "only computes and returns the loss: diagnose runs zero_grad and backward")
-    return loss
+    return loss, any(seen) or loss.dtype == torch.float16
+
+
+def fp16_autocast() -> bool:
+    """Is float16 autocast on for any device type (torch >= 2.4 asks by device type)?"""
+    for device in ("cuda", "cpu", "xpu", "mps"):
+        try:
+            if torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.float16:
+                return True
+        except (TypeError, RuntimeError, AttributeError, ValueError):
+            continue
+    return False
 
 
 def _backward(loss: torch.Tensor) -> None:
@@ -195,6 +219,7 @@ def _explain(tr: Transition, closure: Callable[[], torch.Tensor]) -> None:
     try:
         tr.zero_causes = causes.zero_init_causes(closure, tensors, zero, movers)
         unexplained = [i for i in trainable if tr.state[i] == "none" or (i in zero and i not in tr.zero_causes)]
+        tr.stochastic = causes.drawn_zeros(closure, tensors, [i for i in unexplained if tr.depends[i] is not True])
         if unexplained:
             tr.cuts = causes.cuts_by_tensor(causes.record_cuts(closure), tensors, unexplained)
     except Exception as exc:  # noqa: BLE001 - the user's closure may do anything

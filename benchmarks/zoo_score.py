@@ -1,0 +1,79 @@
+"""Healthy real architectures (``tests/zoo.py``), each trained a few correct steps under
+``gradrepro.record(every=1)`` and then given to ``gradrepro.diagnose``: how many get any
+warning or error, and how many crash.
+
+    python benchmarks/zoo_score.py --half design            # the half the rules were designed on
+    python benchmarks/zoo_score.py --half scored            # the half kept for scoring
+    python benchmarks/zoo_score.py --half all --heldout     # other batch, input size, optimizer and seed
+    python benchmarks/zoo_score.py --models tv/resnet18 hf/gpt2 --json out.json
+
+Default run: plain SGD (lr 0.01), batch 2, each model's small input, 3 steps, seed 0.
+``--heldout``: batch 3, inputs half as large again, Adam, AdamW or SGD with momentum (fixed
+per model by the hash of its name), seed 1. One thread; run it with ``nice``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import zoo  # noqa: E402
+
+HELDOUT_OPTIMIZERS = ("adam", "adamw", "sgd_momentum")
+
+
+def heldout_optimizer(name: str) -> str:
+    return HELDOUT_OPTIMIZERS[int(hashlib.sha256(name.encode()).hexdigest(), 16) // 2 % len(HELDOUT_OPTIMIZERS)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--half", choices=("design", "scored", "all"), default="design")
+    parser.add_argument("--models", nargs="*", default=None, help="names from tests/zoo.py (overrides --half)")
+    parser.add_argument("--heldout", action="store_true", help="other batch, input size, optimizer and seed")
+    parser.add_argument("--json", default=None, help="write every outcome here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    zoo_entries = zoo.entries()
+    unknown = [m for m in args.models or [] if m not in zoo_entries]
+    if unknown:
+        print(f"unknown model {unknown[0]!r}; the zoo's names: {', '.join(sorted(zoo_entries))}", file=sys.stderr)
+        return 2
+    names = args.models or [n for n in zoo_entries if args.half == "all" or zoo.half(n) == args.half]
+    rows = []
+    for name in names:
+        entry, start = zoo_entries[name], time.perf_counter()
+        if args.heldout:
+            out = zoo.run(entry, heldout_optimizer(name), batch=3, size=entry.size + entry.size // 2, seed=1)
+        else:
+            out = zoo.run(entry)
+        seconds = time.perf_counter() - start
+        rows.append({"model": name, "half": zoo.half(name), "flagged": out.flagged, "kinds": out.kinds,
+                     "crash": out.crash, "unfit": out.unfit, "seconds": round(seconds, 2)})
+        status = "UNFIT " + out.unfit if out.unfit else ("CRASH " + out.crash.splitlines()[0] if out.crash else
+                                                         (", ".join(out.kinds) or "clean"))
+        print(f"{name:45s} {seconds:6.1f}s  {status}", flush=True)
+    judged = [r for r in rows if not r["unfit"]]
+    flagged = [r for r in judged if r["flagged"]]
+    crashed = [r for r in judged if r["crash"]]
+    kinds = Counter(k for r in judged for k in r["kinds"])
+    print(f"\nmodels {len(judged)} (unfit, left out: {len(rows) - len(judged)}); with any warning or error: "
+          f"{len(flagged)} ({100 * len(flagged) / max(len(judged), 1):.1f}%); crashed: {len(crashed)}")
+    for kind, n in kinds.most_common():
+        print(f"  {kind}: {n} models")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"heldout": args.heldout, "half": args.half, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Severity from evidence (``gradrepro.diagnose.severity``): patterns healthy models show are
+information until they persist, gradients zero by the architecture's algebra are named
+redundant, and contradictions stay loud."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradrepro
+from gradrepro.diagnose import diagnose
+from gradrepro.diagnose.severity import PERSIST_STEPS
+
+G = torch.Generator().manual_seed(0)
+X, Y = torch.randn(16, 6, generator=G), torch.randint(0, 3, (16,), generator=G)
+TOKENS = torch.randn(4, 5, 8, generator=G)
+
+
+def ce(model, x=X, y=Y):
+    return lambda: F.cross_entropy(model(x), y)
+
+
+class Attention(nn.Module):
+    """One softmax attention with separate query, key and value projections (biases on all)."""
+
+    def __init__(self, dim=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v, self.out = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):  # BxTxD -> B x 3
+        scores = self.q(x) @ self.k(x).transpose(1, 2) / x.shape[-1] ** 0.5
+        return self.out(scores.softmax(-1) @ self.v(x)).mean(1)[:, :3]
+
+
+def test_key_bias_under_softmax_is_named_redundant_and_query_bias_is_not():
+    model = Attention()
+    y = torch.randint(0, 3, (4,), generator=torch.Generator().manual_seed(1))
+    report = diagnose(model, torch.optim.SGD(model.parameters(), lr=0.1), ce(model, TOKENS, y))
+    assert not report.flagged(), str(report)
+    redundant = {f.name: f for f in report.findings if f.kind == "redundant_parameter"}
+    assert set(redundant) == {"k.bias"}, str(report)
+    assert "softmax" in redundant["k.bias"].detail and redundant["k.bias"].severity == "info"
+
+
+class LayerScaleBlock(nn.Module):
+    """x + gamma * mlp(x), gamma initialised at 1e-5 (Touvron et al. 2021, CaiT, Sec. 3)."""
+
+    def __init__(self, dim=8, init=1e-5):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.mlp, self.head = nn.Linear(6, dim), nn.Linear(dim, dim), nn.Linear(dim, 3)
+        self.gamma = nn.Parameter(torch.full((dim,), init))
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        return self.head(h + self.gamma * torch.tanh(self.mlp(h)))
+
+
+def test_layer_small_by_design_is_information_naming_its_gain():
+    model = LayerScaleBlock()
+    report = diagnose(model, torch.optim.SGD(model.parameters(), lr=0.1), ce(model))
+    assert not report.flagged(), str(report)
+    tiny = [f for f in report.findings if f.kind == "tiny_gradient"]
+    assert tiny and all(f.severity == "info" and "gamma" in f.detail for f in tiny), str(report)
+
+
+class DropPath(nn.Module):
+    """A residual branch kept with probability 1 - p for the whole batch (stochastic depth,
+    Huang et al. 2016), rescaled when kept."""
+
+    def __init__(self, p=0.5):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.branch, self.head, self.p = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3), p
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        keep = (torch.rand(()) >= self.p).float() / (1 - self.p)
+        return self.head(h + keep * torch.tanh(self.branch(h)))
+
+
+def test_a_block_dropped_by_stochastic_depth_is_information():
+    model = DropPath()
+    dropped = next(seed for seed in range(100) if torch.rand((), generator=torch.Generator().manual_seed(seed))
+                   < model.p)  # a seed whose first draw drops the branch, for the diagnostic step
+    torch.manual_seed(dropped)
+    report = diagnose(model, torch.optim.SGD(model.parameters(), lr=0.1), ce(model))
+    zero = [f for f in report.findings if f.kind == "zero_gradient"]
+    assert {f.name for f in zero} == {"branch.weight", "branch.bias"}, str(report)
+    assert all(f.severity == "info" and "another random seed" in f.detail for f in zero)
+    assert not report.flagged(), str(report)
+
+
+def _loop(tmp_path, model, steps, every=1):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    logging.getLogger("gradrepro.diagnose.live").setLevel(logging.ERROR)
+    with gradrepro.record(model, opt, tmp_path / "run", every=every, on_finding="log") as rec:
+        for _ in range(steps):
+            opt.zero_grad()
+            ce(model)().backward()
+            opt.step()
+    return rec
+
+
+class Unused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.aux = nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.used(x)  # aux: an auxiliary head the loss leaves out
+
+
+def test_live_unused_branch_is_information_then_a_warning_once_it_persists(tmp_path):
+    rec = _loop(tmp_path, Unused(), PERSIST_STEPS + 1)
+    found = [(f.kind, f.name, f.severity, f.step) for f in rec.live.found if f.name == "aux.weight"]
+    assert found == [("no_gradient", "aux.weight", "info", 0),
+                     ("no_gradient", "aux.weight", "warning", PERSIST_STEPS - 1)], found
+    warning = next(f for f in rec.live.found if f.severity == "warning")
+    assert "find_unused_parameters" in warning.detail
+
+
+def test_live_unused_branch_for_fewer_steps_than_the_persistence_stays_information(tmp_path):
+    rec = _loop(tmp_path, Unused(), PERSIST_STEPS - 1)
+    assert not [f for f in rec.findings() if f.severity != "info"], rec.findings()
+
+
+class NaNLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.linear(x)) * torch.tensor(float("nan"))
+
+
+def test_live_nonfinite_gradient_counts_entries_not_a_fraction(tmp_path):
+    rec = _loop(tmp_path, NaNLoss(), 1)
+    found = {f.name: f for f in rec.live.found if f.kind == "nonfinite_gradient"}
+    assert "48 of its 48 gradient entries (100.0%)" in found["linear.weight"].detail, found
+
+
+def _lr_zero_findings(tmp_path, groups_at_zero):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[2].parameters()}], lr=0.1)
+    logging.getLogger("gradrepro.diagnose.live").setLevel(logging.ERROR)
+    with gradrepro.record(model, opt, tmp_path / f"run{len(groups_at_zero)}", every=1, on_finding="log") as rec:
+        for step in range(3):
+            if step == 1:  # not at step 0, where a warm-up from lr 0 starts by design
+                for g in groups_at_zero:
+                    opt.param_groups[g]["lr"] = 0.0
+            opt.zero_grad()
+            ce(model)().backward()
+            opt.step()
+    return {(f.name, f.severity) for f in rec.live.found if f.kind == "lr_zero"}
+
+
+def test_live_lr_zero_in_one_group_is_information_and_in_every_group_a_warning(tmp_path):
+    assert _lr_zero_findings(tmp_path, [0]) == {("0.weight", "info")}
+    assert {s for _, s in _lr_zero_findings(tmp_path, [0, 1])} == {"warning"}
