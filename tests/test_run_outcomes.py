@@ -252,7 +252,7 @@ def test_an_unwritable_run_folder_is_reported_before_training(tmp_path, monkeypa
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     monkeypatch.setattr(build, "build_data", lambda *a: pytest.fail("training started"))
-    with pytest.raises(UserError, match="cannot write to the run (directory|folder)"):
+    with pytest.raises(UserError, match="cannot write the run folder .*a_file. is a file, not a folder"):
         runner.run(compose_config([*TINY]), blocker / "run")
     with pytest.raises(UserError, match="not a folder"):
         store.check_writable_path(blocker / "run", "hydra.run.dir")

@@ -81,10 +81,15 @@ def copy_for_diagnosis(net: nn.Module, optimizer: torch.optim.Optimizer):
     memo = {id(v): None for m in net.modules() for v in vars(m).values()
             if isinstance(v, torch.Tensor) and not v.is_leaf}
     net_copy, opt_copy = copy.deepcopy((net, optimizer), memo)
-    # deepcopy does not copy a Parameter's .grad; a stale gradient is part of the state diagnosed.
+    # deepcopy does not copy a Parameter's .grad; a stale gradient is part of the state diagnosed,
+    # and so is its version counter: backward adds into an existing .grad in place (bumping it),
+    # which is how diagnose tells a gradient summed over passes from one written by a single pass.
     for row in parameter_rows(net, optimizer)[0]:
         if row.tensor.grad is not None and id(row.tensor) in memo:
-            memo[id(row.tensor)].grad = row.tensor.grad.detach().clone()
+            grad = row.tensor.grad.detach().clone()
+            for _ in range(row.tensor.grad._version):
+                grad.mul_(1)  # exact; one in-place operation per bump of the original's counter
+            memo[id(row.tensor)].grad = grad
     # An LR scheduler wraps optimizer.step in a closure that holds a weak reference to the
     # original optimizer; a copied wrapper would step the original. Use the class's step.
     if getattr(opt_copy.__dict__.get("step"), "_wrapped_by_lr_sched", False):
