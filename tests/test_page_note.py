@@ -11,7 +11,7 @@ from test_results_current import NOT_REPRODUCED_ON_THE_REPORT_SEEDS
 from gradrepro.train.page_note import MARKER, not_held_note, page_reason
 
 # Pages whose owner has not written their reasons as markers yet: the line says so.
-WITHOUT_MARKERS = {"experiments/simsiam.md"}
+WITHOUT_MARKERS: set = set()
 
 
 def test_the_note_says_scale_other_or_that_the_page_does_not_say(tmp_path):
