@@ -17,19 +17,18 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # live_overhead: the timed loop
 
 from cases import CASES, CAUSES  # noqa: E402
 from harness import EVERY, run_case  # noqa: E402
 from healthy import HEALTHY  # noqa: E402
+from live_overhead import block  # noqa: E402
 from split import HALVES, half, of_half  # noqa: E402
-
-import gradrepro  # noqa: E402
 
 
 def first_logged_at_or_after(step: int, every: int = EVERY) -> int:
@@ -59,28 +58,15 @@ def overhead(steps: int = 48, rounds: int = 3) -> dict:
     """ResNet-18 (torchvision, weights=None) on 32x32 inputs, batch 16, SGD: CPU seconds per
     step of the bare loop, of recording without live checks, and of recording with them, at
     every=16 and every=1."""
-    from torchvision.models import resnet18
     torch.manual_seed(0)
     data = [(torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))) for _ in range(4)]
-    configs = {"bare": None, "record_16": (16, False), "live_16": (16, True),
-               "record_1": (1, False), "live_1": (1, True)}
+    configs = {"bare": ("bare", 1), "record_16": ("record", 16), "live_16": ("live", 16),
+               "record_1": ("record", 1), "live_1": ("live", 1)}
     times: dict[str, list[float]] = {k: [] for k in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
-            for name, cfg in configs.items():
-                model = resnet18(weights=None, num_classes=10)
-                opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-                rec = None if cfg is None else gradrepro.record(
-                    model, opt, f"{tmp}/{name}{r}", every=cfg[0], live=cfg[1], on_finding="log", activations=False)
-                start = time.thread_time()
-                for i in range(steps):
-                    x, y = data[i % len(data)]
-                    opt.zero_grad()
-                    torch.nn.functional.cross_entropy(model(x), y).backward()
-                    opt.step()
-                times[name].append((time.thread_time() - start) / steps)
-                if rec is not None:
-                    rec.close()
+            for name, (kind, every) in configs.items():
+                times[name].append(block(kind, every, steps, data, f"{tmp}/{name}{r}"))
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"seconds_per_step": med,
             "live_16_vs_bare": med["live_16"] / med["bare"], "live_16_vs_record_16": med["live_16"] / med["record_16"],
