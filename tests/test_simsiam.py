@@ -49,8 +49,9 @@ def test_the_predictors_lr_is_not_decayed_while_the_rest_follows_the_cosine():
     predictor = {id(p) for p in t.net.predictor.parameters()}
     assert {id(p) for p in groups[1]["params"]} == predictor
     assert predictor.isdisjoint(id(p) for p in groups[0]["params"])
-    # Sec. 4: 0.05 x B / 256 at the paper's base batch 256, kept per step at the default's 128
-    assert cfg.optim.lr == pytest.approx(0.05 * 256 / 256)
+    # Sec. 4: the paper's rule, 0.05 x B / 256, at the default scale's batch
+    default = compose_config(["experiment=simsiam_baseline"])
+    assert default.optim.lr == pytest.approx(0.05 * default.data.batch_size / 256)
     for _ in range(cfg.train.steps // 2):
         t.optimizer.step()
         t.scheduler.step()
