@@ -14,14 +14,17 @@ last one, the scaler's unscale and the Trainer's ``max_grad_norm`` clipping: wha
 uses, as ``grad_norm`` is defined), and the step ends at ``on_optimizer_step``. The loss scale is
 the Accelerate optimizer's scaler's (fp16), read where the step begins.
 
-The loss column is the step's loss as the Trainer optimises it: the sum of the model's
-micro-batch losses where the Trainer passed ``num_items_in_batch`` to the model (the model then
-divides by the step's item count), their mean otherwise.
+The loss column is the step's loss as the Trainer optimises it on this process: the sum of the
+model's micro-batch losses where the Trainer passed ``num_items_in_batch`` to the model (the model
+then divides by the step's item count), their mean otherwise. A run that raises inside
+``train()`` leaves its folder at the last flush with status ``running`` (the Trainer has no
+callback event for an exception).
 
 Findings are also written into the Trainer's log (``on_log``; the callback puts itself first in
-the Trainer's list, ahead of the ``report_to`` integrations), so TensorBoard, W&B, ... send them on: ``gradrepro/findings`` (how many warnings and errors so far) and one
-``gradrepro/<kind>/<name>`` per finding, valued at the step it appeared (-1 where it is a
-summary over the steps).
+the Trainer's list, ahead of the ``report_to`` integrations), so TensorBoard, W&B, ... send them
+on: ``gradrepro/findings`` (how many warnings and errors so far) and one
+``gradrepro/<kind>/<name>`` per finding, valued at the step it appeared (-1 where it is a summary
+over the steps).
 
 Every process records (the statistics of a replicated tensor are of the full, synchronised
 tensor, from every process); rank 0 writes the run folder. DeepSpeed (its engine owns the

@@ -75,9 +75,9 @@ def plain_loop(kind: str, run_dir: Path | str, steps: int = 8, batch: int = 4, a
                model_fn: Callable[[str], torch.nn.Module] = build) -> Any:
     """The Trainer's loop, written out, under ``gradrepro.record``: sequential micro-batches,
     ``num_items_in_batch`` (the labels counted over the step's micro-batches, shifted by one where
-    the Trainer knows the model's loss shifts them: ``loss_type``) passed to the model, so the micro-batch losses add up to the step's loss; the
-    gradients clipped to ``max_grad_norm``; the schedule stepped after the optimizer; the
-    gradients set to None."""
+    the Trainer knows the model's loss shifts them: ``loss_type``) passed to the model, so the
+    micro-batch losses add up to the step's loss; the gradients clipped to ``max_grad_norm``; the
+    schedule stepped after the optimizer; the gradients set to None."""
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
     model = model_fn(kind)
