@@ -15,22 +15,32 @@ import pandas as pd
 import pytest
 from conftest import ROOT
 
+# Each launch starts torchrun and two interpreters that import torch (and transformers): slow on
+# a busy 2-core machine, so out of the default run.
+pytestmark = pytest.mark.slow
+
 EXAMPLES = ROOT / "examples"
 
 
 def launch(tmp_path, script, run, *args, processes=2, timeout=300):
-    """Run ``script`` under torchrun (or plain python for one process); its modules table."""
-    prefix = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={processes}"]
-              if processes > 1 else [sys.executable])
+    """Run ``script`` under torchrun with ``processes`` processes; its modules table."""
+    prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen([*prefix, str(EXAMPLES / script), str(tmp_path / run), *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
+        # torchrun starts each worker in a session of its own: SIGTERM makes torchrun stop them
+        # (a SIGKILL to torchrun's group would leave them running), then whatever is left goes.
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers are in the same group
+            os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         proc.wait(10)
@@ -62,7 +72,6 @@ def test_trainer_on_two_processes_records_what_one_process_records(tmp_path):
     same(many[moved], one[moved])
 
 
-@pytest.mark.slow
 def test_accelerate_loop_on_two_processes_records_what_one_process_records(tmp_path):
     many, _ = launch(tmp_path, "accelerate_loop.py", "two", "--model", "classifier", "--batch", "2", "--steps", "4")
     one, _ = launch(tmp_path, "accelerate_loop.py", "one", "--model", "classifier", "--batch", "4", "--steps", "4",
