@@ -50,9 +50,6 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from gradrepro.diagnose.invariants import recorder_error_hit
-from gradrepro.diagnose.live import KINDS, FindingError, LiveChecks, LiveFinding, TrainingFinding, check_options
-from gradrepro.diagnose.over_steps import findings_over_steps
 from gradrepro.diagnose.report import INFO, Finding
 from gradrepro.diagnose.scaled_clip import clipped_while_scaled
 from gradrepro.errors import UserError
@@ -66,6 +63,9 @@ from gradrepro.records.files import FIGURE, SUMMARY, ensure_writable_dir, write_
 from gradrepro.records.provenance import versions
 from gradrepro.records.run import RUN_SCALARS
 from gradrepro.records.writer import Records, flush_seconds
+from gradrepro.watch.invariants import recorder_error_hit
+from gradrepro.watch.over_steps import findings_over_steps
+from gradrepro.watch.watcher import KINDS, FindingError, LiveFinding, TrainingFinding, Watch, check_options
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class Recorder:
             self.net = unwrap(model)  # DDP's and torch.compile's wrappers: the names of the model itself
             self.records = Records(self.run_dir)
             self._bf16, self._on_finding, self._stopped, self._hooks = bf16, on_finding, False, hooks
-            self.probe, self.combiner, self.live = None, None, None
+            self.probe, self.combiner, self.watch = None, None, None
             # Built now, or, where a lazy module creates its parameters in the first forward
             # pass (nn.LazyLinear), when that pass has created them (``_materialised``).
             self._build = lambda: self._build_probe(cfg, steps, weight_decay, timeout, live, on_finding, silence)
@@ -150,13 +150,13 @@ class Recorder:
         self.combiner = ranks.attach(self.probe, timeout)
         # bf16 rounding: always, never, or (None) when a weight is bf16 or bf16 autocast is on.
         self._bf16_weights = has_bf16(self.probe.params)
-        # findings reported at the logged step they appear (diagnose.live)
-        self.live = (LiveChecks(self.model, self.optimizer, self.probe, self.scaler, self.run_dir, on_finding,
+        # findings reported at the logged step they appear (gradrepro.watch)
+        self.watch = (Watch(self.model, self.optimizer, self.probe, self.scaler, self.run_dir, on_finding,
                                 silence) if live else None)
-        if self.live is not None and not self._hooks:
+        if self.watch is not None and not self._hooks:
             # Called by hand (or by Lightning, before its gradient clipping), before_step() need not be
             # the moment right before the optimizer's step: the update rule is not checked.
-            self.live.rule.enabled = False
+            self.watch.rule.enabled = False
 
     # -- the recorder's own failures: one finding, recording stops, the loop goes on -----------
     def _guard(self, fn: Any, where: str, *args: Any) -> None:
@@ -181,15 +181,15 @@ class Recorder:
         self._handles = []
         try:
             self._after_forward(self.model, (), None)
-            if self.live is not None:
-                self.live.disarm()
+            if self.watch is not None:
+                self.watch.disarm()
             if self._current is not None:
                 current, self._current = self._current, None
                 current.__exit__(RuntimeError, None, None)
         except Exception:  # noqa: BLE001 - already failing: what is left is dropped
             self._current = None
-        if self.live is not None:
-            self.live.recorder_failed(self.step, exc, where)
+        if self.watch is not None:
+            self.watch.recorder_failed(self.step, exc, where)
             return
         finding = LiveFinding(*recorder_error_hit(exc, where)[:3], KINDS["recorder_error"], step=self.step)
         if self._on_finding == "log":
@@ -241,14 +241,14 @@ class Recorder:
 
     def _begin(self) -> None:
         if self._begun:
-            if self._current is not None and self.live is not None:
-                self.live.step_retried(self.step)  # a skipped step's retry, or the next micro-batch
+            if self._current is not None and self.watch is not None:
+                self.watch.step_retried(self.step)  # a skipped step's retry, or the next micro-batch
             return
         self._begun, self._begun_at = True, None  # the last row stays open to rec.log until this step's gradients
         if not self._materialised():
             return
-        if self.live is not None:
-            self.live.each_begin(self.step, self.probe.logs(self.step))
+        if self.watch is not None:
+            self.watch.each_begin(self.step, self.probe.logs(self.step))
         if self.probe.logs(self.step):
             if self.probe.params and self.probe.params[0].is_meta:
                 raise RuntimeError("the parameters are on the meta device: they hold no values to record")
@@ -257,8 +257,8 @@ class Recorder:
             scale = float(self.scaler.get_scale()) if self.scaler is not None else 1.0
             self._current = self.probe.step(self.step, lr=lr, loss_scale=scale)
             self._current.__enter__()
-            if self.live is not None:
-                self.live.begin(self.step)
+            if self.watch is not None:
+                self.watch.begin(self.step)
 
     def _pre_step(self, optimizer: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
         """The optimizer's step pre-hook. ``step(closure)`` (LBFGS; any optimizer given one) makes
@@ -291,12 +291,12 @@ class Recorder:
         self._close_row()
         if not self._materialised():
             return
-        if self.live is not None:
-            self.live.each_before_step()
+        if self.watch is not None:
+            self.watch.each_before_step()
         if self._current is not None:
             _check_same_params(self.net, self.probe.params)
-            if self.live is not None:
-                self.live.before_step()
+            if self.watch is not None:
+                self.watch.before_step()
             self._current.collect()
 
     def after_step(self) -> None:
@@ -324,10 +324,10 @@ class Recorder:
         self._begun = False
         if current is not None and (self._last_flush is None or time.monotonic() - self._last_flush > flush_seconds()):
             self.flush()
-        if self.live is not None:
-            self.live.each_after_step(self.step - 1, current is not None)
-        if current is not None and self.live is not None:
-            self.live.after_step(self.step - 1, current.columns)  # last: it may raise (on_finding="raise")
+        if self.watch is not None:
+            self.watch.each_after_step(self.step - 1, current is not None)
+        if current is not None and self.watch is not None:
+            self.watch.after_step(self.step - 1, current.columns)  # last: it may raise (on_finding="raise")
 
     def log(self, **scalars: Any) -> None:
         """Scalars of the step in progress, or, after ``optimizer.step()``, of the step just
@@ -393,8 +393,8 @@ class Recorder:
         for handle in self._handles:
             handle.remove()
         self._after_forward(self.model, (), None)  # a forward that raised leaves nothing set
-        if self.live is not None:
-            self.live.disarm()
+        if self.watch is not None:
+            self.watch.disarm()
         if self._current is not None:
             self._current.__exit__(RuntimeError, None, None)  # disarms, records nothing
             self._current = None
@@ -436,11 +436,11 @@ class Recorder:
 
     def findings(self) -> list[Finding]:
         """Per parameter over the logged steps so far: no gradient, zero, tiny, non-finite,
-        not updated (``diagnose.over_steps``); frozen and outside-the-optimizer tensors named; a
+        not updated (``watch.over_steps``); frozen and outside-the-optimizer tensors named; a
         clip applied before a GradScaler's unscale (``diagnose.scaled_clip``); then the live
-        findings (``diagnose.live``) of other kinds or tensors, each with its step."""
+        findings (``watch.watcher``) of other kinds or tensors, each with its step."""
         if self.probe is None:  # a lazy model that never ran forward
-            live = self.live.found if self.live is not None else []
+            live = self.watch.found if self.watch is not None else []
             return list(live) or [Finding("no_findings", "(all parameters)", "no findings: no step has been "
                                           "logged yet, so there is nothing to judge", severity=INFO)]
         held = {id(p) for g in self.optimizer.param_groups for p in g["params"]} if self.optimizer else None
@@ -455,7 +455,7 @@ class Recorder:
         clip = clipped_while_scaled(self.records.scalars())  # a clip before the scaler's unscale
         over = ([clip] if clip is not None else []) + over
         seen = {(f.kind, f.name) for f in over}  # summarised over the steps: they stand for the live ones
-        live = self.live.found if self.live is not None else []
+        live = self.watch.found if self.watch is not None else []
         found = over + [f for f in live if (f.kind, f.name) not in seen]
         if found:
             return found
@@ -477,7 +477,7 @@ def record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir
     the first logged step waits for every process's recorder), ``eager_logged_steps`` (a
     compiled model's logged steps run uncompiled, so that its activations are recorded);
     ``live`` (check findings on every logged step, default True), ``on_finding`` ("warn",
-    "raise" or "log") and ``silence`` (kinds not reported): see ``gradrepro.diagnose.live``;
+    "raise" or "log") and ``silence`` (kinds not reported): see ``gradrepro.watch.watcher``;
     ``steps`` (the number of steps the loop will take: the last one is then logged in full);
     ``before_on`` ("device" or "host": where the copy of the parameters taken before each logged
     step's optimizer step lives; "host" keeps it off the GPU, ``probe.config.ProbeConfig``).

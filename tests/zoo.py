@@ -351,7 +351,7 @@ def run(entry: Entry, optimizer: str = "sgd", steps: int = STEPS, batch: int = B
     """Train ``entry`` under the recorder, then diagnose it: every warning and error, or the crash."""
     size = size or entry.size
     out = Outcome(entry.name)
-    logging.getLogger("gradrepro.diagnose.live").setLevel(logging.ERROR)
+    logging.getLogger("gradrepro.watch.watcher").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="zoo-") as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:

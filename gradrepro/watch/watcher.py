@@ -6,11 +6,11 @@ at the step it first appears, with the tensor or module, the step's numbers and 
     rec = gradrepro.record(..., silence=["eval_mode"])                         # one kind left out
 
 A finding goes to Python's ``warnings`` (category ``TrainingFinding``; ``on_finding="log"``:
-the ``gradrepro.diagnose.live`` logger instead), to ``findings.json`` in the run folder
+the ``gradrepro.watch.watcher`` logger instead), to ``findings.json`` in the run folder
 (written atomically when it appears) and to ``rec.findings()``.
 
-The invariants of a training step (``diagnose.invariants``: weights changed between steps,
-frozen tensors that move, gradients reset inside a step; ``diagnose.rule_check``: the update
+The invariants of a training step (``watch.invariants``: weights changed between steps,
+frozen tensors that move, gradients reset inside a step; ``watch.rule_check``: the update
 against its rule) are wired in here. Cost: on a step that is not logged, the fingerprints
 alone (``invariants``). On a logged step, besides the probe's own work:
 identity sets of the optimizer's and the model's tensors, one pass over the mode-sensitive
@@ -35,14 +35,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from gradrepro.diagnose import invariants
-from gradrepro.diagnose import live_checks as checks
 from gradrepro.diagnose.report import ERROR, INFO, NEXT_CHECK, WARNING, Finding
-from gradrepro.diagnose.rule_check import UpdateRuleCheck
 from gradrepro.diagnose.severity import PERSIST_STEPS
 from gradrepro.errors import UserError
 from gradrepro.probe.shards import local
 from gradrepro.records.files import write_json
+from gradrepro.watch import checks, invariants
+from gradrepro.watch.rule_check import UpdateRuleCheck
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +57,7 @@ KINDS: dict[str, str] = {
     "no_gradient": INFO, "grad_modified": ERROR, "nonfinite_gradient": ERROR, "stale_gradient": ERROR,
     "eval_mode": WARNING, "frozen_norm_drift": WARNING, "loss_scale_backoff": ERROR,
 }
-KINDS.update(invariants.KINDS)  # the step's invariants (diagnose.invariants, diagnose.rule_check)
+KINDS.update(invariants.KINDS)  # the step's invariants (watch.invariants, watch.rule_check)
 KINDS["update_mismatch"] = WARNING
 NEXT_CHECK.update(invariants.NEXT_CHECK)
 PERSISTING = ("no_gradient", "lr_zero")
@@ -113,7 +112,7 @@ def check_options(on_finding: str, silence: Any) -> list[str]:
     return silence
 
 
-class LiveChecks:
+class Watch:
     """The recorder's live findings; the recorder calls ``begin`` (a logged step begins),
     ``before_step``, ``after_step`` (with the probe's columns) and ``step_retried``."""
 
@@ -161,7 +160,7 @@ class LiveChecks:
         if self.scaler is not None:
             self._check_scale(step, float(self.scaler.get_scale()))
 
-    # -- on every step, logged or not: the fingerprints (diagnose.invariants) ------------------
+    # -- on every step, logged or not: the fingerprints (watch.invariants) ------------------
     def each_begin(self, step: int, logged: bool) -> None:
         """A step begins (its first forward pass, or ``rec.begin()``)."""
         self.invariants.step_begins(step)
