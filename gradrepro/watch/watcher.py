@@ -243,9 +243,12 @@ class Watch:
 
     # -- gradients around backward (logged steps only) ---------------------------------------
     def _on_output(self, module: nn.Module, args: Any, out: Any) -> None:
-        first = next((t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad), None)
-        if first is not None:
-            first.register_hook(self._backward_begins)
+        # Every output that carries a gradient, not only the first: the loss may weigh several
+        # (a segmentation model's auxiliary head, a detection model's dict of losses), and
+        # autograd reaches the one made last first, filling its branch's .grad before the
+        # first output's gradient exists. The first hook to fire in a backward is its start.
+        for t in {id(t): t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad}.values():
+            t.register_hook(self._backward_begins)
 
     def _trail(self, moment: str, *args: Any) -> None:
         """The backward trail's hook, which must never raise into the user's backward: a failure
@@ -257,8 +260,8 @@ class Watch:
             self._hits.append(invariants.recorder_error_hit(exc, f"the backward hook ({moment})"))
 
     def _backward_begins(self, grad: torch.Tensor) -> None:
-        """The gradient reached the model's output (first of its outputs in this backward):
-        .grad holds what earlier backward passes left."""
+        """The gradient reached one of the model's outputs, the first in this backward (the
+        others return at once): .grad holds what earlier backward passes left."""
         if self._in_backward:
             return None
         self._trail("begins")
