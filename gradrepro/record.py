@@ -42,6 +42,7 @@ import sys
 import time
 import types
 import warnings
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -73,18 +74,88 @@ log = logging.getLogger(__name__)
 RESERVED = tuple(name for name in RUN_SCALARS if name != "loss")
 
 
+@dataclass(frozen=True)
+class RecordOptions:
+    """What ``gradrepro.record`` records and how it reports; every field has a default.
+
+    Args:
+        every: log every this many optimizer steps (a whole number >= 1); the steps between only count.
+        name: the run's name in ``summary.json``; default the run folder's name.
+        scaler: the loop's ``torch.amp.GradScaler``, if any: its scale is recorded as ``loss_scale``
+            and the steps it skips are not steps of the record.
+        activations: record activation statistics (``act_mean``, ``act_std``, ``act_grad_std``)
+            on logged steps.
+        act_sample: elements per activation sampled for those statistics.
+        hooks: find each step from the optimizer's step hooks; False: call ``rec.begin()``,
+            ``rec.before_step()`` and ``rec.after_step()`` yourself (the update rule is then not checked).
+        bf16: count the updates bf16 weights round away: True, False, or None (when a weight is
+            bf16 or the step runs under bf16 autocast).
+        every_rank: each process of a distributed run writes its own ``<run_dir>-rank<r>``; default
+            rank 0 alone writes.
+        timeout: seconds the first logged step waits for every process's recorder.
+        eager_logged_steps: a ``torch.compile``d model's logged steps run uncompiled, so that its
+            activations are recorded.
+        live: run the watch (``gradrepro.watch``): the per-step checks, reported at the logged
+            step a finding first appears.
+        on_finding: what a live finding does: ``"warn"`` (a ``TrainingFinding`` warning),
+            ``"raise"`` (``FindingError``) or ``"log"`` (the ``gradrepro.watch.watcher`` logger).
+        silence: kinds of live finding not reported (names from ``gradrepro.watch.KINDS``).
+        steps: the number of steps the loop will take, if known: the last one is then logged in full.
+        before_on: where the copy of the parameters taken before a logged step's optimizer step
+            lives: ``"device"`` or ``"host"`` (off the GPU; ``probe.config.ProbeConfig``).
+    """
+
+    every: int = 10
+    name: Optional[str] = None
+    scaler: Any = None
+    activations: bool = True
+    act_sample: int = 8
+    hooks: bool = True
+    bf16: Optional[bool] = None
+    every_rank: bool = False
+    timeout: float = ranks.HANDSHAKE_SECONDS
+    eager_logged_steps: bool = False
+    live: bool = True
+    on_finding: str = "warn"
+    silence: Any = ()
+    steps: Optional[int] = None
+    before_on: str = "device"
+
+    def __post_init__(self) -> None:
+        every, steps = self.every, self.steps
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise UserError(f"every={every!r} must be a whole number of steps >= 1")
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise UserError(f"steps={steps!r} must be the whole number of steps the loop takes (>= 1), or None")
+        if self.before_on not in BEFORE_ON:
+            raise UserError(f"before_on={self.before_on!r} is not valid; choose one of: {', '.join(BEFORE_ON)}")
+        check_options(self.on_finding, self.silence)
+
+    @classmethod
+    def of(cls, options: Optional[RecordOptions] = None, **changes: Any) -> RecordOptions:
+        """``options`` (default: the defaults) with the fields named in ``changes`` replaced; an
+        unknown name is one line that lists the valid ones."""
+        if options is not None and not isinstance(options, cls):
+            raise UserError(f"options must be a gradrepro.record.RecordOptions, not {type(options).__name__}")
+        names = [f.name for f in fields(cls)]
+        unknown = [k for k in changes if k not in names]
+        if unknown:
+            raise UserError(f"{unknown[0]!r} is not an option of gradrepro.record; the options are: {', '.join(names)}")
+        return replace(options or cls(), **changes)
+
+
+
 class Recorder:
     """Records one model's gradient signals over a training loop (see the module docstring)."""
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir: str | Path,
-                 every: int = 10, name: Optional[str] = None, scaler: Any = None, activations: bool = True,
-                 act_sample: int = 8, hooks: bool = True, bf16: Optional[bool] = None,
-                 every_rank: bool = False, timeout: float = ranks.HANDSHAKE_SECONDS,
-                 eager_logged_steps: bool = False, live: bool = True, on_finding: str = "warn",
-                 silence: Any = (), steps: Optional[int] = None, before_on: str = "device") -> None:
-        _check(model, optimizer, every, steps)
-        if before_on not in BEFORE_ON:
-            raise UserError(f"before_on={before_on!r} is not valid; choose one of: {', '.join(BEFORE_ON)}")
+                 options: Optional[RecordOptions] = None, **changes: Any) -> None:
+        self.options = o = RecordOptions.of(options, **changes)
+        every, name, scaler, activations, act_sample, hooks = (o.every, o.name, o.scaler, o.activations,
+                                                               o.act_sample, o.hooks)
+        bf16, every_rank, timeout, eager_logged_steps = o.bf16, o.every_rank, o.timeout, o.eager_logged_steps
+        live, on_finding, silence, steps, before_on = o.live, o.on_finding, o.silence, o.steps, o.before_on
+        _check(model, optimizer)
         self.model, self.optimizer, self.scaler, self.every = model, optimizer, scaler, every
         self.run_dir = Path(run_dir)
         group = ranks.process_group()
@@ -109,9 +180,7 @@ class Recorder:
             # Built now, or, where a lazy module creates its parameters in the first forward
             # pass (nn.LazyLinear), when that pass has created them (``_materialised``).
             self._build = lambda: self._build_probe(cfg, steps, weight_decay, timeout, live, on_finding, silence)
-            if any(is_lazy(p) for p in self.net.parameters()):
-                check_options(on_finding, silence)
-            else:
+            if not any(is_lazy(p) for p in self.net.parameters()):
                 self._build()
             self.step = 0  # optimizer steps taken so far: the index of the step in progress
             self.status: Optional[str] = None  # set by close()
@@ -467,33 +536,23 @@ class Recorder:
         return [Finding("no_findings", "(all parameters)", detail, severity=INFO)]
 
 
-def record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir: str | Path, every: int = 10,
-           **options: Any) -> Recorder:
+def record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir: str | Path,
+           every: Optional[int] = None, options: Optional[RecordOptions] = None, **changes: Any) -> Recorder:
     """Record ``model``'s gradient signals in your own loop into ``run_dir`` (module docstring).
-    ``options``: ``name`` (the run's name, default the folder's), ``scaler`` (a GradScaler: its
-    scale is recorded as ``loss_scale``), ``activations``, ``act_sample``, ``hooks``, ``bf16``
-    (count the updates bf16 weights round away: None = when a weight is bf16 or under bf16
-    autocast), ``every_rank`` (each process writes ``<run_dir>-rank<r>``), ``timeout`` (seconds
-    the first logged step waits for every process's recorder), ``eager_logged_steps`` (a
-    compiled model's logged steps run uncompiled, so that its activations are recorded);
-    ``live`` (check findings on every logged step, default True), ``on_finding`` ("warn",
-    "raise" or "log") and ``silence`` (kinds not reported): see ``gradrepro.watch.watcher``;
-    ``steps`` (the number of steps the loop will take: the last one is then logged in full);
-    ``before_on`` ("device" or "host": where the copy of the parameters taken before each logged
-    step's optimizer step lives; "host" keeps it off the GPU, ``probe.config.ProbeConfig``).
+
+    The options are ``RecordOptions``' fields, given as keywords (``every=16, on_finding="log"``)
+    or as one ``RecordOptions`` (``options=``; keywords given beside it replace its fields).
     A folder that holds a run, or that another recording holds, is refused (UserError)."""
-    return Recorder(model, optimizer, run_dir, every, **options)
+    if every is not None:
+        changes["every"] = every
+    return Recorder(model, optimizer, run_dir, options, **changes)
 
 
-def _check(model: Any, optimizer: Any, every: Any, steps: Any = None) -> None:
+def _check(model: Any, optimizer: Any) -> None:
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     if optimizer is not None and not hasattr(optimizer, "param_groups"):
         raise UserError(f"optimizer must be a torch.optim.Optimizer (or None), not {type(optimizer).__name__}")
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise UserError(f"every={every!r} must be a whole number of steps >= 1")
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise UserError(f"steps={steps!r} must be the whole number of steps the loop takes (>= 1), or None")
     if not any(True for _ in model.parameters()):
         raise UserError(f"{type(model).__name__} has no registered parameters: nothing to record")
 

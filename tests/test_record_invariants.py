@@ -358,3 +358,43 @@ def test_steps_a_grad_scaler_skips_while_its_scale_settles_are_silent(tmp_path):
             scaler.update()
     assert scaler.get_scale() < 3.0e38  # steps were skipped
     assert rec.watch.found == []
+
+
+def test_an_unknown_option_is_one_line_naming_the_options(tmp_path):
+    with pytest.raises(UserError) as err:
+        gradrepro.record(nn.Linear(6, 3), None, tmp_path / "run", hooks=False, evry=5)
+    message = _one_line(err)
+    assert "'evry' is not an option" in message and "every" in message and "on_finding" in message
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_option_value_is_one_line_before_any_folder(tmp_path):
+    with pytest.raises(UserError) as err:
+        gradrepro.record(nn.Linear(6, 3), None, tmp_path / "run", hooks=False, on_finding="shout")
+    assert "on_finding" in _one_line(err)
+    assert not (tmp_path / "run").exists()
+
+
+# -- the options: one documented dataclass ---------------------------------------------------------------
+def test_the_options_are_one_dataclass_and_keywords_replace_its_fields(tmp_path):
+    from gradrepro.record import RecordOptions
+
+    options = RecordOptions(every=3, on_finding="log", live=False)
+    model = nn.Linear(6, 3)
+    rec = gradrepro.record(model, None, tmp_path / "a", options=options, hooks=False)
+    assert (rec.options.every, rec.options.on_finding, rec.options.hooks, rec.watch) == (3, "log", False, None)
+    rec.close()
+    rec = gradrepro.record(model, None, tmp_path / "b", 5, options=options, hooks=False)
+    assert rec.options.every == 5 and rec.every == 5 and options.every == 3  # the given options are not changed
+    rec.close()
+
+
+def test_every_option_is_documented_under_args():
+    import dataclasses
+
+    from gradrepro.record import RecordOptions
+
+    args = RecordOptions.__doc__.split("Args:", 1)[1]
+    documented = {line.strip().split(":", 1)[0] for line in args.splitlines() if line.startswith(" " * 8 + "")
+                  and not line.startswith(" " * 12) and ":" in line}
+    assert documented == {f.name for f in dataclasses.fields(RecordOptions)}
