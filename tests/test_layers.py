@@ -60,7 +60,7 @@ def test_no_import_points_up_a_layer():
 def test_the_layer_check_sees_an_upward_import():
     layers = readme_layers()
     assert upward("records", ["gradrepro.train.pipeline", "gradrepro.errors"], layers) == [
-        "records (layer 2) imports gradrepro.train.pipeline (layer 11)"]
+        "records (layer 2) imports gradrepro.train.pipeline (layer 12)"]
     assert upward("record", ["gradrepro.config.schema"], layers)
     assert not upward("train", ["gradrepro.records.files", "gradrepro.train.loop"], layers)
 
@@ -77,7 +77,7 @@ def heavy_loaded(module: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("module", ["gradrepro", "gradrepro.record", "gradrepro.diagnose"])
+@pytest.mark.parametrize("module", ["gradrepro", "gradrepro.record", "gradrepro.diagnose", "gradrepro.watch"])
 def test_the_user_facing_modules_load_no_experiment_stack(module):
     assert heavy_loaded(module) == "[]"
 
