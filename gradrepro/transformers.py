@@ -92,7 +92,7 @@ class Record(TrainerCallback):
         options = {"steps": state.max_steps if state.max_steps and state.max_steps > 0 else None, **self.options}
         if args.bf16:
             options.setdefault("bf16", True)
-        self.recorder = Recorder(model, inner, self.run_dir, self.every, scaler=getattr(optimizer, "scaler", None),
+        self.recorder = Recorder(model, inner, self.run_dir, every=self.every, scaler=getattr(optimizer, "scaler", None),
                                  hooks=False, **options)
         self.recorder.step = state.global_step  # a resumed run goes on counting
         self._handle = model.register_forward_hook(self._keep_loss, with_kwargs=True)

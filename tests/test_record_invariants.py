@@ -194,7 +194,7 @@ def _broken(monkeypatch):
 
     def fail(self):
         raise ValueError("a failure of the probe itself")
-    monkeypatch.setattr(probe.Probe, "_collect", fail)
+    monkeypatch.setattr(probe.Probe, "collect", fail)
 
 
 def test_a_failing_recorder_is_one_finding_and_training_goes_on(tmp_path, monkeypatch):
