@@ -9,7 +9,7 @@ the bare loop of the same round, then their median, minimum and maximum.
     python benchmarks/live_overhead.py --unlogged [--steps 200]
 
 ``--unlogged``: the live checks' own work on a step that is not logged (the fingerprints:
-``LiveChecks.each_begin``, ``each_before_step``, ``each_after_step``), timed alone on the same
+``Watch.each_begin``, ``each_before_step``, ``each_after_step``), timed alone on the same
 model against the bare step, median of ``--steps`` repetitions (CPU time of the thread).
 
 Run it on two checkouts (PYTHONPATH set to each) to compare before and after a change.
@@ -62,7 +62,7 @@ def unlogged(steps: int, data) -> dict:
         bare.append(time.thread_time() - start)
     with tempfile.TemporaryDirectory() as tmp:
         rec = gradrepro.record(model, opt, f"{tmp}/run", every=10**6, on_finding="log", activations=False, hooks=False)
-        live, checks = rec.live, []
+        live, checks = rec.watch, []
         for step in range(1, steps + 1):
             start = time.thread_time_ns()
             live.each_begin(step, False)

@@ -60,7 +60,7 @@ class Record(Callback):
         options = {"steps": _planned_steps(trainer), **self.options}  # the last step logged, as built-in runs do
         if "bf16" in str(getattr(trainer, "precision", "")):  # bf16-mixed, bf16-true: count what bf16 rounds away
             options.setdefault("bf16", True)
-        self.recorder = Recorder(pl_module, optimizer, self.run_dir, self.every, scaler=scaler, hooks=False,
+        self.recorder = Recorder(pl_module, optimizer, self.run_dir, every=self.every, scaler=scaler, hooks=False,
                                  **options)
         self.recorder.step = trainer.global_step  # a resumed fit goes on counting
         if optimizer is not None and hasattr(optimizer, "register_step_pre_hook"):

@@ -42,6 +42,7 @@ import sys
 import time
 import types
 import warnings
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -50,9 +51,6 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from gradrepro.diagnose.invariants import recorder_error_hit
-from gradrepro.diagnose.live import KINDS, FindingError, LiveChecks, LiveFinding, TrainingFinding, check_options
-from gradrepro.diagnose.over_steps import findings_over_steps
 from gradrepro.diagnose.report import INFO, Finding
 from gradrepro.diagnose.scaled_clip import clipped_while_scaled
 from gradrepro.errors import UserError
@@ -66,6 +64,9 @@ from gradrepro.records.files import FIGURE, SUMMARY, ensure_writable_dir, write_
 from gradrepro.records.provenance import versions
 from gradrepro.records.run import RUN_SCALARS
 from gradrepro.records.writer import Records, flush_seconds
+from gradrepro.watch.invariants import recorder_error_hit
+from gradrepro.watch.over_steps import findings_over_steps
+from gradrepro.watch.watcher import KINDS, FindingError, LiveFinding, TrainingFinding, Watch, check_options
 
 log = logging.getLogger(__name__)
 
@@ -73,18 +74,88 @@ log = logging.getLogger(__name__)
 RESERVED = tuple(name for name in RUN_SCALARS if name != "loss")
 
 
+@dataclass(frozen=True)
+class RecordOptions:
+    """What ``gradrepro.record`` records and how it reports; every field has a default.
+
+    Args:
+        every: log every this many optimizer steps (a whole number >= 1); the steps between only count.
+        name: the run's name in ``summary.json``; default the run folder's name.
+        scaler: the loop's ``torch.amp.GradScaler``, if any: its scale is recorded as ``loss_scale``
+            and the steps it skips are not steps of the record.
+        activations: record activation statistics (``act_mean``, ``act_std``, ``act_grad_std``)
+            on logged steps.
+        act_sample: elements per activation sampled for those statistics.
+        hooks: find each step from the optimizer's step hooks; False: call ``rec.begin()``,
+            ``rec.before_step()`` and ``rec.after_step()`` yourself (the update rule is then not checked).
+        bf16: count the updates bf16 weights round away: True, False, or None (when a weight is
+            bf16 or the step runs under bf16 autocast).
+        every_rank: each process of a distributed run writes its own ``<run_dir>-rank<r>``; default
+            rank 0 alone writes.
+        timeout: seconds the first logged step waits for every process's recorder.
+        eager_logged_steps: a ``torch.compile``d model's logged steps run uncompiled, so that its
+            activations are recorded.
+        live: run the watch (``gradrepro.watch``): the per-step checks, reported at the logged
+            step a finding first appears.
+        on_finding: what a live finding does: ``"warn"`` (a ``TrainingFinding`` warning),
+            ``"raise"`` (``FindingError``) or ``"log"`` (the ``gradrepro.watch.watcher`` logger).
+        silence: kinds of live finding not reported (names from ``gradrepro.watch.KINDS``).
+        steps: the number of steps the loop will take, if known: the last one is then logged in full.
+        before_on: where the copy of the parameters taken before a logged step's optimizer step
+            lives: ``"device"`` or ``"host"`` (off the GPU; ``probe.config.ProbeConfig``).
+    """
+
+    every: int = 10
+    name: Optional[str] = None
+    scaler: Any = None
+    activations: bool = True
+    act_sample: int = 8
+    hooks: bool = True
+    bf16: Optional[bool] = None
+    every_rank: bool = False
+    timeout: float = ranks.HANDSHAKE_SECONDS
+    eager_logged_steps: bool = False
+    live: bool = True
+    on_finding: str = "warn"
+    silence: Any = ()
+    steps: Optional[int] = None
+    before_on: str = "device"
+
+    def __post_init__(self) -> None:
+        every, steps = self.every, self.steps
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise UserError(f"every={every!r} must be a whole number of steps >= 1")
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise UserError(f"steps={steps!r} must be the whole number of steps the loop takes (>= 1), or None")
+        if self.before_on not in BEFORE_ON:
+            raise UserError(f"before_on={self.before_on!r} is not valid; choose one of: {', '.join(BEFORE_ON)}")
+        check_options(self.on_finding, self.silence)
+
+    @classmethod
+    def of(cls, options: Optional[RecordOptions] = None, **changes: Any) -> RecordOptions:
+        """``options`` (default: the defaults) with the fields named in ``changes`` replaced; an
+        unknown name is one line that lists the valid ones."""
+        if options is not None and not isinstance(options, cls):
+            raise UserError(f"options must be a gradrepro.record.RecordOptions, not {type(options).__name__}")
+        names = [f.name for f in fields(cls)]
+        unknown = [k for k in changes if k not in names]
+        if unknown:
+            raise UserError(f"{unknown[0]!r} is not an option of gradrepro.record; the options are: {', '.join(names)}")
+        return replace(options or cls(), **changes)
+
+
+
 class Recorder:
     """Records one model's gradient signals over a training loop (see the module docstring)."""
 
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir: str | Path,
-                 every: int = 10, name: Optional[str] = None, scaler: Any = None, activations: bool = True,
-                 act_sample: int = 8, hooks: bool = True, bf16: Optional[bool] = None,
-                 every_rank: bool = False, timeout: float = ranks.HANDSHAKE_SECONDS,
-                 eager_logged_steps: bool = False, live: bool = True, on_finding: str = "warn",
-                 silence: Any = (), steps: Optional[int] = None, before_on: str = "device") -> None:
-        _check(model, optimizer, every, steps)
-        if before_on not in BEFORE_ON:
-            raise UserError(f"before_on={before_on!r} is not valid; choose one of: {', '.join(BEFORE_ON)}")
+                 options: Optional[RecordOptions] = None, **changes: Any) -> None:
+        self.options = o = RecordOptions.of(options, **changes)
+        every, name, scaler, activations, act_sample, hooks = (o.every, o.name, o.scaler, o.activations,
+                                                               o.act_sample, o.hooks)
+        bf16, every_rank, timeout, eager_logged_steps = o.bf16, o.every_rank, o.timeout, o.eager_logged_steps
+        live, on_finding, silence, steps, before_on = o.live, o.on_finding, o.silence, o.steps, o.before_on
+        _check(model, optimizer)
         self.model, self.optimizer, self.scaler, self.every = model, optimizer, scaler, every
         self.run_dir = Path(run_dir)
         group = ranks.process_group()
@@ -105,13 +176,11 @@ class Recorder:
             self.net = unwrap(model)  # DDP's and torch.compile's wrappers: the names of the model itself
             self.records = Records(self.run_dir)
             self._bf16, self._on_finding, self._stopped, self._hooks = bf16, on_finding, False, hooks
-            self.probe, self.combiner, self.live = None, None, None
+            self.probe, self.combiner, self.watch = None, None, None
             # Built now, or, where a lazy module creates its parameters in the first forward
             # pass (nn.LazyLinear), when that pass has created them (``_materialised``).
             self._build = lambda: self._build_probe(cfg, steps, weight_decay, timeout, live, on_finding, silence)
-            if any(is_lazy(p) for p in self.net.parameters()):
-                check_options(on_finding, silence)
-            else:
+            if not any(is_lazy(p) for p in self.net.parameters()):
                 self._build()
             self.step = 0  # optimizer steps taken so far: the index of the step in progress
             self.status: Optional[str] = None  # set by close()
@@ -150,13 +219,13 @@ class Recorder:
         self.combiner = ranks.attach(self.probe, timeout)
         # bf16 rounding: always, never, or (None) when a weight is bf16 or bf16 autocast is on.
         self._bf16_weights = has_bf16(self.probe.params)
-        # findings reported at the logged step they appear (diagnose.live)
-        self.live = (LiveChecks(self.model, self.optimizer, self.probe, self.scaler, self.run_dir, on_finding,
+        # findings reported at the logged step they appear (gradrepro.watch)
+        self.watch = (Watch(self.model, self.optimizer, self.probe, self.scaler, self.run_dir, on_finding,
                                 silence) if live else None)
-        if self.live is not None and not self._hooks:
+        if self.watch is not None and not self._hooks:
             # Called by hand (or by Lightning, before its gradient clipping), before_step() need not be
             # the moment right before the optimizer's step: the update rule is not checked.
-            self.live.rule.enabled = False
+            self.watch.rule.enabled = False
 
     # -- the recorder's own failures: one finding, recording stops, the loop goes on -----------
     def _guard(self, fn: Any, where: str, *args: Any) -> None:
@@ -181,15 +250,15 @@ class Recorder:
         self._handles = []
         try:
             self._after_forward(self.model, (), None)
-            if self.live is not None:
-                self.live.disarm()
+            if self.watch is not None:
+                self.watch.disarm()
             if self._current is not None:
                 current, self._current = self._current, None
                 current.__exit__(RuntimeError, None, None)
         except Exception:  # noqa: BLE001 - already failing: what is left is dropped
             self._current = None
-        if self.live is not None:
-            self.live.recorder_failed(self.step, exc, where)
+        if self.watch is not None:
+            self.watch.recorder_failed(self.step, exc, where)
             return
         finding = LiveFinding(*recorder_error_hit(exc, where)[:3], KINDS["recorder_error"], step=self.step)
         if self._on_finding == "log":
@@ -241,14 +310,14 @@ class Recorder:
 
     def _begin(self) -> None:
         if self._begun:
-            if self._current is not None and self.live is not None:
-                self.live.step_retried(self.step)  # a skipped step's retry, or the next micro-batch
+            if self._current is not None and self.watch is not None:
+                self.watch.step_retried(self.step)  # a skipped step's retry, or the next micro-batch
             return
         self._begun, self._begun_at = True, None  # the last row stays open to rec.log until this step's gradients
         if not self._materialised():
             return
-        if self.live is not None:
-            self.live.each_begin(self.step, self.probe.logs(self.step))
+        if self.watch is not None:
+            self.watch.each_begin(self.step, self.probe.logs(self.step))
         if self.probe.logs(self.step):
             if self.probe.params and self.probe.params[0].is_meta:
                 raise RuntimeError("the parameters are on the meta device: they hold no values to record")
@@ -257,8 +326,8 @@ class Recorder:
             scale = float(self.scaler.get_scale()) if self.scaler is not None else 1.0
             self._current = self.probe.step(self.step, lr=lr, loss_scale=scale)
             self._current.__enter__()
-            if self.live is not None:
-                self.live.begin(self.step)
+            if self.watch is not None:
+                self.watch.begin(self.step)
 
     def _pre_step(self, optimizer: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
         """The optimizer's step pre-hook. ``step(closure)`` (LBFGS; any optimizer given one) makes
@@ -291,12 +360,12 @@ class Recorder:
         self._close_row()
         if not self._materialised():
             return
-        if self.live is not None:
-            self.live.each_before_step()
+        if self.watch is not None:
+            self.watch.each_before_step()
         if self._current is not None:
             _check_same_params(self.net, self.probe.params)
-            if self.live is not None:
-                self.live.before_step()
+            if self.watch is not None:
+                self.watch.before_step()
             self._current.collect()
 
     def after_step(self) -> None:
@@ -324,10 +393,10 @@ class Recorder:
         self._begun = False
         if current is not None and (self._last_flush is None or time.monotonic() - self._last_flush > flush_seconds()):
             self.flush()
-        if self.live is not None:
-            self.live.each_after_step(self.step - 1, current is not None)
-        if current is not None and self.live is not None:
-            self.live.after_step(self.step - 1, current.columns)  # last: it may raise (on_finding="raise")
+        if self.watch is not None:
+            self.watch.each_after_step(self.step - 1, current is not None)
+        if current is not None and self.watch is not None:
+            self.watch.after_step(self.step - 1, current.columns)  # last: it may raise (on_finding="raise")
 
     def log(self, **scalars: Any) -> None:
         """Scalars of the step in progress, or, after ``optimizer.step()``, of the step just
@@ -393,8 +462,8 @@ class Recorder:
         for handle in self._handles:
             handle.remove()
         self._after_forward(self.model, (), None)  # a forward that raised leaves nothing set
-        if self.live is not None:
-            self.live.disarm()
+        if self.watch is not None:
+            self.watch.disarm()
         if self._current is not None:
             self._current.__exit__(RuntimeError, None, None)  # disarms, records nothing
             self._current = None
@@ -436,11 +505,11 @@ class Recorder:
 
     def findings(self) -> list[Finding]:
         """Per parameter over the logged steps so far: no gradient, zero, tiny, non-finite,
-        not updated (``diagnose.over_steps``); frozen and outside-the-optimizer tensors named; a
+        not updated (``watch.over_steps``); frozen and outside-the-optimizer tensors named; a
         clip applied before a GradScaler's unscale (``diagnose.scaled_clip``); then the live
-        findings (``diagnose.live``) of other kinds or tensors, each with its step."""
+        findings (``watch.watcher``) of other kinds or tensors, each with its step."""
         if self.probe is None:  # a lazy model that never ran forward
-            live = self.live.found if self.live is not None else []
+            live = self.watch.found if self.watch is not None else []
             return list(live) or [Finding("no_findings", "(all parameters)", "no findings: no step has been "
                                           "logged yet, so there is nothing to judge", severity=INFO)]
         held = {id(p) for g in self.optimizer.param_groups for p in g["params"]} if self.optimizer else None
@@ -455,7 +524,7 @@ class Recorder:
         clip = clipped_while_scaled(self.records.scalars())  # a clip before the scaler's unscale
         over = ([clip] if clip is not None else []) + over
         seen = {(f.kind, f.name) for f in over}  # summarised over the steps: they stand for the live ones
-        live = self.live.found if self.live is not None else []
+        live = self.watch.found if self.watch is not None else []
         found = over + [f for f in live if (f.kind, f.name) not in seen]
         if found:
             return found
@@ -467,33 +536,23 @@ class Recorder:
         return [Finding("no_findings", "(all parameters)", detail, severity=INFO)]
 
 
-def record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir: str | Path, every: int = 10,
-           **options: Any) -> Recorder:
+def record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir: str | Path,
+           every: Optional[int] = None, options: Optional[RecordOptions] = None, **changes: Any) -> Recorder:
     """Record ``model``'s gradient signals in your own loop into ``run_dir`` (module docstring).
-    ``options``: ``name`` (the run's name, default the folder's), ``scaler`` (a GradScaler: its
-    scale is recorded as ``loss_scale``), ``activations``, ``act_sample``, ``hooks``, ``bf16``
-    (count the updates bf16 weights round away: None = when a weight is bf16 or under bf16
-    autocast), ``every_rank`` (each process writes ``<run_dir>-rank<r>``), ``timeout`` (seconds
-    the first logged step waits for every process's recorder), ``eager_logged_steps`` (a
-    compiled model's logged steps run uncompiled, so that its activations are recorded);
-    ``live`` (check findings on every logged step, default True), ``on_finding`` ("warn",
-    "raise" or "log") and ``silence`` (kinds not reported): see ``gradrepro.diagnose.live``;
-    ``steps`` (the number of steps the loop will take: the last one is then logged in full);
-    ``before_on`` ("device" or "host": where the copy of the parameters taken before each logged
-    step's optimizer step lives; "host" keeps it off the GPU, ``probe.config.ProbeConfig``).
+
+    The options are ``RecordOptions``' fields, given as keywords (``every=16, on_finding="log"``)
+    or as one ``RecordOptions`` (``options=``; keywords given beside it replace its fields).
     A folder that holds a run, or that another recording holds, is refused (UserError)."""
-    return Recorder(model, optimizer, run_dir, every, **options)
+    if every is not None:
+        changes["every"] = every
+    return Recorder(model, optimizer, run_dir, options, **changes)
 
 
-def _check(model: Any, optimizer: Any, every: Any, steps: Any = None) -> None:
+def _check(model: Any, optimizer: Any) -> None:
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     if optimizer is not None and not hasattr(optimizer, "param_groups"):
         raise UserError(f"optimizer must be a torch.optim.Optimizer (or None), not {type(optimizer).__name__}")
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise UserError(f"every={every!r} must be a whole number of steps >= 1")
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise UserError(f"steps={steps!r} must be the whole number of steps the loop takes (>= 1), or None")
     if not any(True for _ in model.parameters()):
         raise UserError(f"{type(model).__name__} has no registered parameters: nothing to record")
 

@@ -97,7 +97,7 @@ def test_a_block_dropped_by_stochastic_depth_is_information():
 
 def _loop(tmp_path, model, steps, every=1):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    logging.getLogger("gradrepro.diagnose.live").setLevel(logging.ERROR)
+    logging.getLogger("gradrepro.watch.watcher").setLevel(logging.ERROR)
     with gradrepro.record(model, opt, tmp_path / "run", every=every, on_finding="log") as rec:
         for _ in range(steps):
             opt.zero_grad()
@@ -118,10 +118,10 @@ class Unused(nn.Module):
 
 def test_live_unused_branch_is_information_then_a_warning_once_it_persists(tmp_path):
     rec = _loop(tmp_path, Unused(), PERSIST_STEPS + 1)
-    found = [(f.kind, f.name, f.severity, f.step) for f in rec.live.found if f.name == "aux.weight"]
+    found = [(f.kind, f.name, f.severity, f.step) for f in rec.watch.found if f.name == "aux.weight"]
     assert found == [("no_gradient", "aux.weight", "info", 0),
                      ("no_gradient", "aux.weight", "warning", PERSIST_STEPS - 1)], found
-    warning = next(f for f in rec.live.found if f.severity == "warning")
+    warning = next(f for f in rec.watch.found if f.severity == "warning")
     assert "find_unused_parameters" in warning.detail
 
 
@@ -143,7 +143,7 @@ class NaNLoss(nn.Module):
 
 def test_live_nonfinite_gradient_counts_entries_not_a_fraction(tmp_path):
     rec = _loop(tmp_path, NaNLoss(), 1)
-    found = {f.name: f for f in rec.live.found if f.kind == "nonfinite_gradient"}
+    found = {f.name: f for f in rec.watch.found if f.kind == "nonfinite_gradient"}
     assert "48 of its 48 gradient entries (100.0%)" in found["linear.weight"].detail, found
 
 
@@ -151,7 +151,7 @@ def _lr_zero_findings(tmp_path, groups_at_zero):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     opt = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[2].parameters()}], lr=0.1)
-    logging.getLogger("gradrepro.diagnose.live").setLevel(logging.ERROR)
+    logging.getLogger("gradrepro.watch.watcher").setLevel(logging.ERROR)
     with gradrepro.record(model, opt, tmp_path / f"run{len(groups_at_zero)}", every=1, on_finding="log") as rec:
         for step in range(3):
             if step == 1:  # not at step 0, where a warm-up from lr 0 starts by design
@@ -160,7 +160,7 @@ def _lr_zero_findings(tmp_path, groups_at_zero):
             opt.zero_grad()
             ce(model)().backward()
             opt.step()
-    return {(f.name, f.severity) for f in rec.live.found if f.kind == "lr_zero"}
+    return {(f.name, f.severity) for f in rec.watch.found if f.kind == "lr_zero"}
 
 
 def test_live_lr_zero_in_one_group_is_information_and_in_every_group_a_warning(tmp_path):

@@ -3,6 +3,7 @@ stands on the bottom layers: no Hydra, omegaconf, scikit-learn or torchvision is
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -59,12 +60,12 @@ def test_no_import_points_up_a_layer():
 def test_the_layer_check_sees_an_upward_import():
     layers = readme_layers()
     assert upward("records", ["gradrepro.train.pipeline", "gradrepro.errors"], layers) == [
-        "records (layer 2) imports gradrepro.train.pipeline (layer 11)"]
+        "records (layer 2) imports gradrepro.train.pipeline (layer 12)"]
     assert upward("record", ["gradrepro.config.schema"], layers)
     assert not upward("train", ["gradrepro.records.files", "gradrepro.train.loop"], layers)
 
 
-HEAVY = ("hydra", "omegaconf", "sklearn", "torchvision")
+HEAVY = ("hydra", "omegaconf", "sklearn", "torchvision", "transformers", "accelerate", "lightning")
 
 
 def heavy_loaded(module: str) -> str:
@@ -76,7 +77,7 @@ def heavy_loaded(module: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("module", ["gradrepro.record", "gradrepro.diagnose"])
+@pytest.mark.parametrize("module", ["gradrepro", "gradrepro.record", "gradrepro.diagnose", "gradrepro.watch"])
 def test_the_user_facing_modules_load_no_experiment_stack(module):
     assert heavy_loaded(module) == "[]"
 
@@ -85,6 +86,14 @@ def test_the_lightning_callback_loads_nothing_lightning_itself_does_not():
     """Lightning imports torchvision itself where it is installed; the callback adds nothing."""
     pytest.importorskip("lightning")
     assert heavy_loaded("gradrepro.lightning") == heavy_loaded("lightning.pytorch.callbacks")
+
+
+def test_the_trainer_callback_loads_nothing_transformers_itself_does_not():
+    """The Hugging Face Trainer callback adds nothing heavy beyond what transformers' own
+    callback module loads (accelerate, where the Trainer's module imports it)."""
+    pytest.importorskip("transformers")
+    theirs = set(ast.literal_eval(heavy_loaded("transformers.trainer_callback")))
+    assert set(ast.literal_eval(heavy_loaded("gradrepro.transformers"))) <= theirs
 
 
 def test_the_experiment_stack_would_be_seen():

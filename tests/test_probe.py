@@ -119,9 +119,9 @@ def test_probe_runs_nothing_on_unlogged_steps():
     net = two_layer()
     probe = Probe(net, ProbeConfig(every=4), total_steps=10)
     assert [s for s in range(10) if probe.logs(s)] == [0, 4, 8, 9]
-    assert probe._handles == []  # no hooks until armed
+    assert not probe.hooks.armed  # no hooks until armed
     with probe.step(1) as p:  # an unlogged step: nothing armed, nothing recorded
-        assert not p.logged and probe._handles == []
+        assert not p.logged and not probe.hooks.armed
         net(torch.ones(1, 3)).sum().backward()
         p.collect()
     assert p.columns is None

@@ -68,7 +68,7 @@ def test_probe_holds_no_buffer_between_logged_steps():
     x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
     blocks = sum(-(-p.numel() // BLOCK) for p in net.parameters())
     # What may stay: the layouts' constants, a few bytes per block and per tensor, and one
-    # row of BLOCK entries per layout (blocks._pads): far below one copy of the parameters.
+    # row of BLOCK entries per layout (blocks.pad_index): far below one copy of the parameters.
     allowed = 3 * 4 * BLOCK + 16 * blocks + 64 * len(list(net.parameters())) + 4096
     assert allowed < 4 * n_params / 20
     for step in range(6):
@@ -156,7 +156,7 @@ def _columns_of_a_run(before_on: str, bf16: bool, device: str = "cpu", window_bl
             nn.functional.cross_entropy(net(x), y).backward()
             p.collect()
             opt.step()
-        assert probe._host_before is (before_on == "host")
+        assert probe.buffers.host_before is (before_on == "host")
         if p.columns is not None:
             out.append(p.columns)
     return out
@@ -185,8 +185,8 @@ def test_the_pre_step_copy_on_the_host_gives_the_same_records():
 
 def test_the_running_sum_check_keeps_the_copy_beside_the_parameters():
     probe = Probe(_net(), ProbeConfig(every=1, running_sum_steps=3, before_on="host"), total_steps=4)
-    probe._ensure_layout()
-    assert probe._host_before is False
+    probe.buffers.ensure_layout()
+    assert probe.buffers.host_before is False
 
 
 @pytest.mark.parametrize("experiment", ["bf16_master", "bn_speedup"])
@@ -218,7 +218,7 @@ def test_the_recorder_takes_the_place_of_the_copy_and_refuses_one_it_does_not_kn
         nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
     rec.close()
-    assert rec.probe._host_before
+    assert rec.probe.buffers.host_before
     assert np.isfinite(pd.read_parquet(tmp_path / "run" / "modules.parquet")["update_to_param"]).all()
 
 
@@ -344,7 +344,7 @@ def test_output_gradient_counts_from_a_float16_copy_are_the_exact_counts():
         x[where] = special[torch.randint(0, len(special), (len(where),), generator=g)]
         samples.append(x)
     probe = Probe(_net(), ProbeConfig(every=1, act_sample=8), total_steps=1)
-    stash = Stash(MOMENT_ROWS + COUNT_ROWS, probe._reduce_act_grad_window, lambda: 2)
+    stash = Stash(MOMENT_ROWS + COUNT_ROWS, probe.reducer.act_grad_window, lambda: 2)
     for _ in range(2):  # a first step lays the samples out, a second reuses the layout
         stash.begin()
         for i, x in enumerate(samples):
@@ -403,12 +403,12 @@ def test_the_gradients_windows_are_handed_back_before_the_copy_grows():
         opt.zero_grad(set_to_none=True)
         with probe.step(step, lr=0.1) as p:
             nn.functional.cross_entropy(net(x), y).backward()
-            if probe._before is not None and not at_copy:
-                def watched(regrow=probe._before.regrow):
-                    at_copy.append(probe._windows.buffer.untyped_storage().nbytes())
+            if probe.buffers.before is not None and not at_copy:
+                def watched(regrow=probe.buffers.before.regrow):
+                    at_copy.append(probe.buffers.windows.buffer.untyped_storage().nbytes())
                     regrow()
 
-                probe._before.regrow = watched
+                probe.buffers.before.regrow = watched
             p.collect()
             opt.step()
         assert np.isfinite(p.columns["param_norm"]).all() and (p.columns["param_norm"] > 0).all()

@@ -177,7 +177,7 @@ def test_gradient_accumulation_records_the_summed_gradient_of_each_step(tmp_path
 
 def test_steps_it_does_not_log_read_nothing(tmp_path, monkeypatch):
     calls = {"start": 0, "collect": 0, "after": 0, "float": 0}
-    for name, key in (("_start", "start"), ("_collect", "collect"), ("_after_step", "after")):
+    for name, key in (("start", "start"), ("collect", "collect"), ("finish", "after")):
         original = getattr(Probe, name)
 
         def spy(self, *args, _original=original, _key=key, **kwargs):

@@ -1,5 +1,5 @@
 """The training step's invariants that ``gradrepro.record`` checks live
-(``gradrepro.diagnose.invariants``): each one found on its bug and silent on the healthy twin;
+(``gradrepro.watch.invariants``): each one found on its bug and silent on the healthy twin;
 the recorder's own failures as one ``recorder_error`` finding with training going on; lazy
 modules recorded; a meta-device model; bad input as one line."""
 
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradrepro
-from gradrepro.diagnose.live import FindingError, TrainingFinding
 from gradrepro.errors import UserError
+from gradrepro.watch.watcher import FindingError, TrainingFinding
 
 
 def _mlp(dropout: float = 0.0) -> nn.Sequential:
@@ -47,7 +47,7 @@ def _train(tmp_path, model, opt, steps: int = 12, each=None, every: int = 4, mic
                     (F.cross_entropy(model(x), y) / micro).backward()
                 opt.step()
     warned = [str(w.message) for w in caught if issubclass(w.category, TrainingFinding)]
-    return rec, {(f.kind, f.step) for f in rec.live.found}, warned
+    return rec, {(f.kind, f.step) for f in rec.watch.found}, warned
 
 
 def _ema_loop(tmp_path, restore: bool):
@@ -73,7 +73,7 @@ def _ema_loop(tmp_path, restore: bool):
 def test_weights_swapped_in_and_not_restored_are_found_at_the_next_step(tmp_path):
     rec, found, warned = _ema_loop(tmp_path, restore=False)
     assert ("changed_between_steps", 6) in found  # an unlogged step (every=4): found at once, on CPU
-    finding = next(f for f in rec.live.found if f.kind == "changed_between_steps")
+    finding = next(f for f in rec.watch.found if f.kind == "changed_between_steps")
     assert finding.evidence["tensors_changed"] == 4 and "EMA" in finding.detail
     assert any("changed_between_steps" in w for w in warned)
 
@@ -93,7 +93,7 @@ def test_an_edit_in_place_of_one_tensor_names_that_tensor(tmp_path):
                 model[3].weight.div_(model[3].weight.norm(dim=1, keepdim=True))
     rec, found, _ = _train(tmp_path, model, opt, each=each)
     assert found == {("changed_between_steps", 5)}
-    assert rec.live.found[0].name == "3.weight" and "in place" in rec.live.found[0].detail
+    assert rec.watch.found[0].name == "3.weight" and "in place" in rec.watch.found[0].detail
 
 
 def _freeze_loop(tmp_path, drop_grads: bool):
@@ -112,7 +112,7 @@ def _freeze_loop(tmp_path, drop_grads: bool):
 def test_a_frozen_tensor_moved_by_momentum_is_found(tmp_path):
     rec, found, _ = _freeze_loop(tmp_path, drop_grads=False)
     assert found == {("frozen_moved", 5)}
-    finding = next(f for f in rec.live.found if f.kind == "frozen_moved")
+    finding = next(f for f in rec.watch.found if f.kind == "frozen_moved")
     assert finding.name == "0.weight" and finding.evidence["tensors_moved"] == 2
 
 
@@ -126,7 +126,7 @@ def test_gradients_reset_between_micro_batches_are_found(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rec, found, _ = _train(tmp_path, model, opt, micro=3, reset=lambda step, i: opt.zero_grad())
     assert ("grad_reset_in_step", 0) in found
-    assert next(f for f in rec.live.found if f.kind == "grad_reset_in_step").evidence["tensors_reset"] == 4
+    assert next(f for f in rec.watch.found if f.kind == "grad_reset_in_step").evidence["tensors_reset"] == 4
 
 
 def test_accumulated_micro_batches_are_silent(tmp_path):
@@ -154,7 +154,7 @@ def test_a_second_backward_after_the_weights_moved_is_silent(tmp_path):
                 for p, e in zip(model.parameters(), eps):
                     p.sub_(e)
             opt.step()
-    assert rec.live.found == []
+    assert rec.watch.found == []
 
 
 class _FunctionalDropout(nn.Module):
@@ -194,7 +194,7 @@ def _broken(monkeypatch):
 
     def fail(self):
         raise ValueError("a failure of the probe itself")
-    monkeypatch.setattr(probe.Probe, "_collect", fail)
+    monkeypatch.setattr(probe.Probe, "collect", fail)
 
 
 def test_a_failing_recorder_is_one_finding_and_training_goes_on(tmp_path, monkeypatch):
@@ -204,7 +204,7 @@ def test_a_failing_recorder_is_one_finding_and_training_goes_on(tmp_path, monkey
     before = [p.detach().clone() for p in model.parameters()]
     rec, found, warned = _train(tmp_path, model, opt, steps=9)
     assert found == {("recorder_error", 0)}
-    assert "a failure of the probe itself" in rec.live.found[0].detail and len(warned) == 1
+    assert "a failure of the probe itself" in rec.watch.found[0].detail and len(warned) == 1
     assert rec.step == 0 and rec.status == "completed"  # recording stopped at step 0; the run folder closed
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # all 9 steps trained
 
@@ -238,7 +238,7 @@ def test_a_meta_device_model_trains_with_one_finding_and_no_error(tmp_path):
                 opt.zero_grad()
                 model(torch.randn(4, 6, device="meta")).sum().backward()
                 opt.step()
-    assert [f.kind for f in rec.live.found] == ["recorder_error"] and "meta device" in rec.live.found[0].detail
+    assert [f.kind for f in rec.watch.found] == ["recorder_error"] and "meta device" in rec.watch.found[0].detail
     assert len([w for w in caught if issubclass(w.category, TrainingFinding)]) == 1
 
 
@@ -316,9 +316,9 @@ def test_a_gradient_changed_inside_the_step_is_an_update_mismatch(tmp_path):
             x, y = _data()
             F.cross_entropy(model(x), y).backward()
             opt.step()
-    kinds = {(f.kind, f.step) for f in rec.live.found}
+    kinds = {(f.kind, f.step) for f in rec.watch.found}
     assert ("update_mismatch", 0) in kinds
-    finding = next(f for f in rec.live.found if f.kind == "update_mismatch")
+    finding = next(f for f in rec.watch.found if f.kind == "update_mismatch")
     assert finding.evidence["tensors_mismatched"] == 2 and finding.name == "0.weight"
 
 
@@ -339,7 +339,7 @@ def test_a_step_with_no_backward_from_a_reset_gradient_is_stale(tmp_path, zero_d
             opt_g.zero_grad()
             disc(fake).logsumexp(1).mean().backward()
             opt_g.step()
-    assert {(f.kind, f.step) for f in rec.live.found} == (set() if zero_d else {("stale_gradient", 4)})
+    assert {(f.kind, f.step) for f in rec.watch.found} == (set() if zero_d else {("stale_gradient", 4)})
 
 
 def test_steps_a_grad_scaler_skips_while_its_scale_settles_are_silent(tmp_path):
@@ -357,4 +357,44 @@ def test_steps_a_grad_scaler_skips_while_its_scale_settles_are_silent(tmp_path):
             scaler.step(opt)
             scaler.update()
     assert scaler.get_scale() < 3.0e38  # steps were skipped
-    assert rec.live.found == []
+    assert rec.watch.found == []
+
+
+def test_an_unknown_option_is_one_line_naming_the_options(tmp_path):
+    with pytest.raises(UserError) as err:
+        gradrepro.record(nn.Linear(6, 3), None, tmp_path / "run", hooks=False, evry=5)
+    message = _one_line(err)
+    assert "'evry' is not an option" in message and "every" in message and "on_finding" in message
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_option_value_is_one_line_before_any_folder(tmp_path):
+    with pytest.raises(UserError) as err:
+        gradrepro.record(nn.Linear(6, 3), None, tmp_path / "run", hooks=False, on_finding="shout")
+    assert "on_finding" in _one_line(err)
+    assert not (tmp_path / "run").exists()
+
+
+# -- the options: one documented dataclass ---------------------------------------------------------------
+def test_the_options_are_one_dataclass_and_keywords_replace_its_fields(tmp_path):
+    from gradrepro.record import RecordOptions
+
+    options = RecordOptions(every=3, on_finding="log", live=False)
+    model = nn.Linear(6, 3)
+    rec = gradrepro.record(model, None, tmp_path / "a", options=options, hooks=False)
+    assert (rec.options.every, rec.options.on_finding, rec.options.hooks, rec.watch) == (3, "log", False, None)
+    rec.close()
+    rec = gradrepro.record(model, None, tmp_path / "b", 5, options=options, hooks=False)
+    assert rec.options.every == 5 and rec.every == 5 and options.every == 3  # the given options are not changed
+    rec.close()
+
+
+def test_every_option_is_documented_under_args():
+    import dataclasses
+
+    from gradrepro.record import RecordOptions
+
+    args = RecordOptions.__doc__.split("Args:", 1)[1]
+    documented = {line.strip().split(":", 1)[0] for line in args.splitlines() if line.startswith(" " * 8 + "")
+                  and not line.startswith(" " * 12) and ":" in line}
+    assert documented == {f.name for f in dataclasses.fields(RecordOptions)}

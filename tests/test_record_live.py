@@ -1,4 +1,4 @@
-"""Live findings of ``gradrepro.record`` (``gradrepro.diagnose.live``): reported once, at the
+"""Live findings of ``gradrepro.record`` (``gradrepro.watch.watcher``): reported once, at the
 logged step they appear, as a warning, in findings.json and in ``rec.findings()``; none on a
 healthy loop; ``on_finding="raise"`` and ``silence``; and the silent-error benchmark's cases
 (a fast subset here, all of them in a slow test)."""
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradrepro
-from gradrepro.diagnose.live import FindingError, TrainingFinding
 from gradrepro.errors import UserError
+from gradrepro.watch.watcher import FindingError, TrainingFinding
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "silent_errors"
 sys.path.insert(0, str(BENCH))
@@ -43,13 +43,13 @@ def _loop(tmp_path, zero_grad: bool = True, steps: int = 12, **options):
 
 def test_a_healthy_loop_has_no_live_finding(tmp_path):
     rec, caught = _loop(tmp_path)
-    assert rec.live.found == [] and caught == []
+    assert rec.watch.found == [] and caught == []
     assert not (tmp_path / "run" / "findings.json").exists()
 
 
 def test_a_forgotten_zero_grad_is_reported_once_at_the_first_logged_step_it_acts(tmp_path):
     rec, caught = _loop(tmp_path, zero_grad=False)
-    stale = [f for f in rec.live.found if f.kind == "stale_gradient"]
+    stale = [f for f in rec.watch.found if f.kind == "stale_gradient"]
     assert [f.step for f in stale] == [4]  # acts from step 1; steps 0, 4, 8 are logged
     assert len([w for w in caught if "stale_gradient" in str(w.message)]) == 1
     assert "zero_grad" in stale[0].fix and stale[0].evidence["carried_norm"] > 0
@@ -67,7 +67,7 @@ def test_on_finding_raise_stops_the_loop_with_the_finding_and_keeps_the_record(t
 
 def test_a_silenced_kind_is_not_reported(tmp_path):
     rec, caught = _loop(tmp_path, zero_grad=False, silence=["stale_gradient"])
-    assert rec.live.found == [] and caught == []
+    assert rec.watch.found == [] and caught == []
 
 
 @pytest.mark.parametrize("options, word", [({"on_finding": "shout"}, "on_finding"),
@@ -80,7 +80,7 @@ def test_bad_live_options_are_one_line(tmp_path, options, word):
 
 def test_live_false_checks_nothing(tmp_path):
     rec, caught = _loop(tmp_path, zero_grad=False, live=False)
-    assert rec.live is None and caught == []
+    assert rec.watch is None and caught == []
 
 
 def _assert_detected_in_time(name: str) -> None:

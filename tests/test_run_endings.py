@@ -118,7 +118,7 @@ def send_at_reference_step(monkeypatch, sig, step: int = 1) -> dict:
     from gradrepro.measure import reference_runs
     from gradrepro.probe import Probe
 
-    real_refs, real_after = reference_runs.run_references, Probe._after_step
+    real_refs, real_after = reference_runs.run_references, Probe.finish
     seen = {"references": 0, "sent": False}
 
     def run_references(*args, **kwargs):
@@ -132,7 +132,7 @@ def send_at_reference_step(monkeypatch, sig, step: int = 1) -> dict:
         return real_after(self, s)
 
     monkeypatch.setattr(reference_runs, "run_references", run_references)
-    monkeypatch.setattr(Probe, "_after_step", after_step)
+    monkeypatch.setattr(Probe, "finish", after_step)
     return seen
 
 

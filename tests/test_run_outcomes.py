@@ -160,14 +160,14 @@ def test_sigkill_leaves_no_half_written_file(tmp_path):
 def test_a_signal_in_process_writes_the_summary(tmp_path, monkeypatch):
     """The in-process path (runner.run), with a signal raised from inside the loop."""
     cfg = compose_config([*LONG])
-    real_after_step = Probe._after_step
+    real_after_step = Probe.finish
 
     def after_step_then_signal(self, step):
         if step == 2:
             os.kill(os.getpid(), signal.SIGTERM)
         return real_after_step(self, step)
 
-    monkeypatch.setattr(Probe, "_after_step", after_step_then_signal)
+    monkeypatch.setattr(Probe, "finish", after_step_then_signal)
     summary = runner.run(cfg, tmp_path / "run")
     assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM"
     assert summary["stopped_at"] == 2
@@ -231,14 +231,14 @@ def test_a_failing_progress_bar_loses_no_records(tmp_path, monkeypatch, caplog):
 
 
 def test_an_error_mid_run_keeps_the_records_and_says_failed(tmp_path, monkeypatch):
-    real_after_step = Probe._after_step
+    real_after_step = Probe.finish
 
     def after_step_that_breaks(self, step):
         if step >= 4:
             raise RuntimeError("a bug at step 4")
         return real_after_step(self, step)
 
-    monkeypatch.setattr(Probe, "_after_step", after_step_that_breaks)
+    monkeypatch.setattr(Probe, "finish", after_step_that_breaks)
     with pytest.raises(RuntimeError, match="a bug at step 4"):
         runner.run(compose_config([*TINY]), tmp_path / "run")
     files = read_all(tmp_path / "run")

@@ -120,11 +120,17 @@ def _tv_kwargs(name: str) -> dict:
     if name == "inception_v3":  # its auxiliary head needs 299x299 inputs: left out at 75x75
         return {"aux_logits": False, "init_weights": True}
     if name.startswith("vit_"):
-        return {"image_size": SIZE}
+        return {"image_size": TV_SIZE}
     return {}
 
 
-_TV_SIZE = {"inception_v3": 75, "alexnet": 64, "squeezenet1_0": 64, "squeezenet1_1": 64}
+# torchvision's classifiers downsample by 32: at 32x32 their last stage is 1x1, and a batch of
+# 2 leaves a train-mode BatchNorm 2 values per channel, whose normalised output is +-1 whatever
+# its input (PyTorch refuses only 1 value). RegNet-Y and EfficientNet then blow up (parameter
+# norms near 1e9 after 3 plain SGD steps at lr 0.01) without gradrepro; at 64x64 (8 values per
+# channel, 2x2 at the last stage) they train. The zoo feeds them 64x64, as it does timm's.
+TV_SIZE = 64
+_TV_SIZE = {"inception_v3": 75}
 
 
 def torchvision_classifiers() -> list[Entry]:
@@ -137,7 +143,7 @@ def torchvision_classifiers() -> list[Entry]:
         # torchvision's weight metadata counts the parameters (1000 classes) without building it
         params = torchvision.models.get_model_weights(name).DEFAULT.meta["num_params"]
         if params <= MAX_PARAMS:
-            out.append(Entry(f"tv/{name}", build, images, classify, _TV_SIZE.get(name, SIZE)))
+            out.append(Entry(f"tv/{name}", build, images, classify, _TV_SIZE.get(name, TV_SIZE)))
     return out
 
 
@@ -345,7 +351,7 @@ def run(entry: Entry, optimizer: str = "sgd", steps: int = STEPS, batch: int = B
     """Train ``entry`` under the recorder, then diagnose it: every warning and error, or the crash."""
     size = size or entry.size
     out = Outcome(entry.name)
-    logging.getLogger("gradrepro.diagnose.live").setLevel(logging.ERROR)
+    logging.getLogger("gradrepro.watch.watcher").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="zoo-") as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradrepro
-from gradrepro.diagnose.live import LiveFinding
 from gradrepro.errors import UserError
+from gradrepro.watch.watcher import LiveFinding
 
 EVERY = 8  # the recorder logs every 8th step: a detection "in time" is at the first logged step after the bug acts
 STEPS = 40
@@ -35,13 +35,13 @@ class Recording:
     """Makes the case's recorder (findings logged, not warned) and keeps it for scoring."""
 
     def __init__(self, every: int = EVERY, live: bool = True) -> None:
-        self.every, self.live, self.recorders, self.refused = every, live, [], []
+        self.every, self.watch, self.recorders, self.refused = every, live, [], []
         self._dir = tempfile.TemporaryDirectory(prefix="silent-errors-")
 
     def __call__(self, model: nn.Module, optimizer: Any, **options: Any):
         run_dir = f"{self._dir.name}/{len(self.recorders) + len(self.refused)}"
         try:
-            rec = gradrepro.record(model, optimizer, run_dir, every=self.every, live=self.live, on_finding="log",
+            rec = gradrepro.record(model, optimizer, run_dir, every=self.every, live=self.watch, on_finding="log",
                                    activations=False, **options)
         except UserError as exc:  # a setup the recorder refuses, naming the cause: found before step 0
             kind = getattr(exc, "kind", None)
@@ -53,7 +53,7 @@ class Recording:
         return rec
 
     def findings(self) -> list:
-        return self.refused + [f for rec in self.recorders if rec.live is not None for f in rec.live.found]
+        return self.refused + [f for rec in self.recorders if rec.watch is not None for f in rec.watch.found]
 
     def close(self) -> None:
         for rec in self.recorders:
@@ -69,7 +69,7 @@ class _Refused:
 
 
 def run_case(case: Callable[[bool, Callable], int], buggy: bool, every: int = EVERY) -> Outcome:
-    logging.getLogger("gradrepro.diagnose.live").setLevel(logging.ERROR)
+    logging.getLogger("gradrepro.watch.watcher").setLevel(logging.ERROR)
     torch.manual_seed(0)
     recording = Recording(every)
     try:

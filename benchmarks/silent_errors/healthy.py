@@ -159,7 +159,7 @@ def _ddp_worker(rank: int, world: int, init: str, queue) -> None:
             F.cross_entropy(model(x), y).backward()
             opt.step()
         if rank == 0:
-            queue.put([f.row() for f in record_.live.found])
+            queue.put([f.row() for f in record_.watch.found])
         recording.close()
     finally:
         torch.distributed.destroy_process_group()

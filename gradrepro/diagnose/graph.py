@@ -86,10 +86,11 @@ NORMALISERS = (
     ("Softmax", "a softmax (it is unchanged by a constant added to all its inputs)"),
 )
 # Operations between a parameter's op and the normalisation that keep the structure: shapes,
-# copies, sums with other terms and the linear maps that hold the parameter.
+# copies, sums with other terms and the linear maps that hold the parameter, and the gathers of
+# a table's entries by index (a relative-position bias table, read into the attention's scores).
 _PASS = ("View", "Reshape", "Transpose", "Permute", "Expand", "Clone", "Contiguous", "Unsqueeze", "Squeeze",
          "Split", "Chunk", "Slice", "Select", "Unbind", "Cat", "Stack", "UnsafeView", "ToCopy", "Add", "Sub",
-         "Addmm", "Mm", "Bmm", "Matmul", "Linear", "Convolution", "Mul", "Div", "Alias", "As")
+         "Addmm", "Mm", "Bmm", "Matmul", "Linear", "Convolution", "Mul", "Div", "Alias", "As", "Index", "Gather")
 _DEPTH = 12  # nodes walked back from a normalisation (a linear map, a reshape and a transpose or two)
 
 

@@ -57,7 +57,7 @@ NEXT_CHECK: dict[str, str] = {
     "detached values: compute it with gradients enabled",
     "nonleaf_grad": "call t.retain_grad() before backward if you need an intermediate's gradient",
     "eval_mode": "nothing to fix for gradients; use model.train() when the training behaviour is intended",
-    # kinds the recorder checks live (diagnose.live)
+    # kinds the recorder checks live (gradrepro.watch)
     "lr_zero": "print optimizer.param_groups[i]['lr'] over the steps: a scheduler whose total steps are too few "
     "(counted in optimizer steps, after accumulation), scheduler.step() called per batch on a per-epoch schedule, "
     "or lr=0 in the config",

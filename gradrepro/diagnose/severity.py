@@ -1,5 +1,6 @@
 """How sure a finding is, from its evidence: the severity policy of ``diagnose``, of the
-recorder's live findings (``live``) and of its summary over the logged steps (``over_steps``).
+recorder's live findings (``gradrepro.watch.watcher``) and of its summary over the logged steps
+(``gradrepro.watch.over_steps``).
 
 - **A contradiction of an invariant** (a tensor the optimizer does not hold, a gradient edited
   between backward and the step, a NaN, a backward that starts on the previous step's

@@ -231,8 +231,10 @@ def _step_and_predict(tr: Transition, optimizer: torch.optim.Optimizer, step: bo
     against the one its rule predicts from the gradient used, starting from the parameter as
     the step found it (after the forward pass: ``nn.Embedding(max_norm=...)`` renormalises rows)."""
     tensors, members, n = tr.tensors, tr.members, len(tr.rows)
-    tr.at_step = [t.detach().clone() for t in tensors]
-    tr.forward_changed = np.array([not torch.equal(a, b) for a, b in zip(tr.at_step, tr.before)])
+    # The parameters as the step finds them: the copy taken before the call where the forward
+    # passes left them equal (the usual case), so that no second copy of the model is held.
+    tr.forward_changed = np.array([not torch.equal(t.detach(), b) for t, b in zip(tensors, tr.before)])
+    tr.at_step = [t.detach().clone() if moved else b for t, b, moved in zip(tensors, tr.before, tr.forward_changed)]
     states_before = {i: snapshot_state(optimizer, tensors[i]) for i in range(n) if id(tensors[i]) in members}
     seen: dict[int, Any] = {}  # .grad as the step began (a post-hook may clear it afterwards)
     if step and tr.graph:

@@ -61,7 +61,7 @@ class Layout:
         self.real = real  # entries of each block that belong to its segment
         if device is not None:
             self.real_t = torch.tensor(real, dtype=torch.float32, device=self.device)
-            self.partial, self.tail, self.arange = _pads(real, last[real[last] < block], block, self.device)
+            self.partial, self.tail, self.arange = pad_index(real, last[real[last] < block], block, self.device)
 
     def windows(self, shapes, dtype=torch.float32, blocks: Optional[int] = None) -> "Windows":
         return Windows(self, shapes, dtype, blocks or WINDOW_BLOCKS)
@@ -145,7 +145,7 @@ def regrow_(t: torch.Tensor) -> None:
         storage.resize_(need)
 
 
-def _pads(real: np.ndarray, partial: np.ndarray, block: int, device: torch.device,
+def pad_index(real: np.ndarray, partial: np.ndarray, block: int, device: torch.device,
           arange: Optional[torch.Tensor] = None):
     """The blocks with padding (each segment's last, unless it is full) as a device index, and
     per such block its entries as a column: ``arange < tail`` is its mask (made on use, so
@@ -165,7 +165,7 @@ def _pads(real: np.ndarray, partial: np.ndarray, block: int, device: torch.devic
 WINDOW_BLOCKS = 1024
 
 
-class _Rows:
+class Rows:
     """Rows ``[start, stop)`` of a buffer (or of a window's buffer): ``flat`` and ``grid``."""
 
     def __init__(self, grid: torch.Tensor) -> None:
@@ -173,18 +173,18 @@ class _Rows:
         self.flat = grid.view(-1)
 
 
-class _Part:
+class Part:
     """One window: its blocks of the layout, where each segment's piece of it sits in the
     window's buffer, and what ``moments_`` and ``zero_pads_`` need of the layout there."""
 
     def __init__(self, layout: Layout, shapes, start: int, stop: int, buffer: torch.Tensor) -> None:
         block = layout.block
         self.start, self.stop = start, stop
-        self.work = _Rows(buffer.view(-1, block)[: stop - start])
+        self.work = Rows(buffer.view(-1, block)[: stop - start])
         self.real_t = layout.real_t[start:stop]
         last = layout.first + np.maximum(-(-layout.numel // block), 1) - 1
         partial = np.flatnonzero(layout.real[start:stop] < block)
-        self.partial, self.tail, _ = _pads(layout.real[start:stop], partial, block, layout.device)
+        self.partial, self.tail, _ = pad_index(layout.real[start:stop], partial, block, layout.device)
         self.arange = layout.arange
         self.pieces: List[Tuple[int, int, int, torch.Tensor, bool]] = []
         for i, (first, numel) in enumerate(zip(layout.first, layout.numel)):
@@ -209,7 +209,7 @@ class Windows:
         rows = min(blocks, layout.blocks)
         self.buffer = torch.empty(rows * layout.block, dtype=dtype, device=layout.device)
         spans = [(b, min(b + blocks, layout.blocks)) for b in range(0, layout.blocks, blocks)] or [(0, 0)]
-        self.parts = [_Part(layout, shapes, a, b, self.buffer) for a, b in spans]
+        self.parts = [Part(layout, shapes, a, b, self.buffer) for a, b in spans]
         self._rows: Dict[int, tuple] = {}
 
     def release(self) -> None:
@@ -218,7 +218,7 @@ class Windows:
     def regrow(self) -> None:
         regrow_(self.buffer)
 
-    def pieces(self, part: _Part, tensors: Dict[int, torch.Tensor]):
+    def pieces(self, part: Part, tensors: Dict[int, torch.Tensor]):
         """(targets, sources) of one window for the segments in ``tensors`` (segment -> tensor):
         a tensor whose blocks all lie in the window is copied whole, else its piece."""
         targets, sources = [], []
@@ -235,14 +235,14 @@ class Windows:
         cached = self._rows.get(id(of))
         if cached is None or cached[0] is not of:
             if isinstance(of, Stats):
-                views = [_StatRows(of, p.start, p.stop) for p in self.parts]
+                views = [StatRows(of, p.start, p.stop) for p in self.parts]
             else:
-                views = [_Rows(of.grid[p.start:p.stop]) for p in self.parts]
+                views = [Rows(of.grid[p.start:p.stop]) for p in self.parts]
             cached = self._rows[id(of)] = (of, views)
         return cached[1]
 
 
-class _StatRows:
+class StatRows:
     """Rows of a ``Stats`` at blocks ``[start, stop)``, used as a ``Stats`` by the passes."""
 
     def __init__(self, stats: Stats, start: int, stop: int) -> None:
@@ -291,7 +291,7 @@ _BF16_HALF_ULP = 2.0**-8
 _EXPONENT_BITS = {torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
 
 
-def bf16_lost_(update: "_Rows", work: "_Rows", grads: tuple, params: tuple, out: torch.Tensor) -> None:
+def bf16_lost_(update: "Rows", work: "Rows", grads: tuple, params: tuple, out: torch.Tensor) -> None:
     """Per block into ``out``: the entries whose gradient is not zero and whose update (in
     ``update``: before - after) is smaller than half a bf16 unit in the last place of the
     weight after the step (bf16 weights keep such an update as zero; where it was applied

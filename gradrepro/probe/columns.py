@@ -1,6 +1,7 @@
 """The host side of a logged step: ``modules.parquet``'s columns from the per-block rows of the
-one transfer (float64 sums by tensor and by module, probe/blocks.py). ``probe`` is the
-``probe.Probe`` whose step it was (not imported here: it imports this module)."""
+one transfer (float64 sums by tensor and by module, probe/blocks.py). ``reducer`` is the
+``reducer.Reducer`` of the step (not imported here: it imports this module), ``buffers`` the
+``buffers.StepBuffers`` whose blocks were reduced, ``tensors`` the ``tensors.ProbedTensors``."""
 
 from __future__ import annotations
 
@@ -15,18 +16,19 @@ from gradrepro.probe.stash import Stash
 from gradrepro.probe.states import FP16_FLUSH, grad_states
 
 
-def gradient_columns(probe: Any, step: int, host: Dict[str, np.ndarray], pending: dict) -> Dict[str, np.ndarray]:
-    stats = local_gradient_stats(probe, host, pending)
-    if probe.combiner is not None:  # the full tensors' statistics, from every process's part
-        stats = probe.combiner.combine(step, stats, probe.counted, probe.plain, probe.collective_device)
-    return _columns(probe, step, stats, host)
+def gradient_columns(reducer: Any, buffers: Any, step: int, host: Dict[str, np.ndarray],
+                     pending: dict) -> Dict[str, np.ndarray]:
+    stats = local_gradient_stats(buffers, reducer.bf16, host, pending)
+    if reducer.combiner is not None:  # the full tensors' statistics, from every process's part
+        stats = reducer.combiner.combine(step, stats, reducer.counted, reducer.plain, reducer.collective_device)
+    return _columns(reducer, step, stats, host)
 
 
-def local_gradient_stats(probe: Any, host: Dict[str, np.ndarray], pending: dict) -> Dict[str, np.ndarray]:
+def local_gradient_stats(buffers: Any, bf16: bool, host: Dict[str, np.ndarray], pending: dict) -> Dict[str, np.ndarray]:
     """Per tensor, what this process holds of it (``shards.FIELDS``): its entries, the
     gradient's mean, spread and sums of squares, its counts; zeros where it has no gradient."""
-    n, layout = len(probe.params), probe.layout
-    rows = dict(zip(probe.stats.names, host["params"]))
+    n, layout = len(buffers.tensors), buffers.layout
+    rows = dict(zip(buffers.stats.names, host["params"]))
     have_idx = np.asarray(pending["have"], dtype=np.int64)
     have = np.zeros(n, dtype=bool)
     have[have_idx] = True
@@ -38,7 +40,7 @@ def local_gradient_stats(probe: Any, host: Dict[str, np.ndarray], pending: dict)
     small = np.where(have, small, 0.0)
     nonfinite = np.zeros(n)
     _recount_nonfinite(have_idx, np.sqrt(sumsq), pending["grads"], nonfinite, nonzero, small)
-    lost = layout.segment_sum(rows["b_lost"]) if "b_lost" in rows and probe.bf16 else np.full(n, np.nan)
+    lost = layout.segment_sum(rows["b_lost"]) if "b_lost" in rows and bf16 else np.full(n, np.nan)
     keep = lambda v: np.where(have, v, 0.0)  # noqa: E731 - a stale buffer's values never count
     return {"n": numel, "have": have.astype(np.float64), "g_mean": keep(mean), "g_ssd": keep(ssd),
             "g_sumsq": keep(sumsq), "f_sumsq": keep(fresh), "p_sumsq": segment_squares(layout, rows, "p_"),
@@ -46,8 +48,10 @@ def local_gradient_stats(probe: Any, host: Dict[str, np.ndarray], pending: dict)
             "nonfinite": nonfinite, "bf16_lost": keep(lost)}
 
 
-def _columns(probe: Any, step: int, stats: Dict[str, np.ndarray], host: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-    n, numel = len(probe.params), stats["n"]
+def _columns(reducer: Any, step: int, stats: Dict[str, np.ndarray],
+             host: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    tensors = reducer.tensors
+    n, numel = len(tensors), stats["n"]
     have = stats["have"] > 0
     g_norm = np.where(have, np.sqrt(stats["g_sumsq"]), np.nan)
     g_std = np.where(have & np.isfinite(g_norm), std_from_ssd(stats["g_ssd"], numel), np.nan)
@@ -61,18 +65,18 @@ def _columns(probe: Any, step: int, stats: Dict[str, np.ndarray], host: Dict[str
         safe_p = np.where(p_norm > 0, p_norm, np.nan)
         g_to_p = g_norm / safe_p
         u_to_p = u_norm / safe_p
-        g_to_decay = g_to_p / probe.weight_decay if probe.weight_decay > 0 else np.full(n, np.nan)
+        g_to_decay = g_to_p / reducer.weight_decay if reducer.weight_decay > 0 else np.full(n, np.nan)
         flush = np.where(nonzero > 0, (small - (numel - nonzero)) / nonzero, np.nan)
         # Of the entries the gradient reached, those whose update bf16 weights round away.
         bf16 = np.where(have & (nonzero > 0), stats["bf16_lost"] / nonzero, np.nan)
     resid = host.get("residuals", np.full((2, n), np.nan))
     return {
         "step": np.full(n, step, dtype=np.int64),
-        "module": np.array(probe.module_of, dtype=object),
-        "param": np.array(probe.param_of, dtype=object),
-        "param_type": np.array(probe.kind_of, dtype=object),
+        "module": np.array(tensors.module_of, dtype=object),
+        "param": np.array(tensors.param_of, dtype=object),
+        "param_type": np.array(tensors.kind_of, dtype=object),
         "numel": numel.astype(np.int64),
-        "grad_state": grad_states(have, nonfinite, nonzero, g_to_p, p_norm, probe.cfg.tiny_factor),
+        "grad_state": grad_states(have, nonfinite, nonzero, g_to_p, p_norm, reducer.cfg.tiny_factor),
         "grad_norm": g_norm,
         # This step's backward alone; equals grad_norm unless .grad carried a sum in.
         "fresh_grad_norm": fresh_norm,
@@ -121,19 +125,20 @@ def _pick(values: np.ndarray, seg: np.ndarray) -> np.ndarray:
     return np.append(values, np.nan)[seg]  # -1 picks the appended NaN
 
 
-def activation_columns(probe: Any, host: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-    mods = probe.module_of
+def activation_columns(tensors: Any, cfg: Any, buffers: Any, contributions: Dict[str, tuple],
+                       host: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    mods = tensors.module_of
     nan = np.full(len(mods), np.nan)
     columns = {"act_mean": nan, "act_std": nan, "act_grad_std": nan,
                "act_grad_frac_zero": nan, "act_grad_frac_fp16_underflow": nan}
     if "acts" in host:
-        seg, rows = _per_module(probe.acts, mods, host["acts"])
-        layout = probe.acts.layout
+        seg, rows = _per_module(buffers.acts, mods, host["acts"])
+        layout = buffers.acts.layout
         mean, ssd, _ = segment_moments(layout, rows, "")
         columns["act_mean"] = _pick(mean, seg)
         columns["act_std"] = _pick(std_from_ssd(ssd, layout.numel), seg)
     if "act_grads" in host:
-        ag = probe.act_grads
+        ag = buffers.act_grads
         seg, rows = _per_module(ag, mods, host["act_grads"])
         layout = ag.layout
         _, ssd, _ = segment_moments(layout, rows, "")
@@ -148,13 +153,13 @@ def activation_columns(probe: Any, host: Dict[str, np.ndarray]) -> Dict[str, np.
                 np.where(nonzero > 0, (small - zeros) / nonzero, np.nan), seg)
     if "hist" in host:
         columns.update({col: host["hist"][:, j] for j, col in enumerate(HIST_COLUMNS)})
-    if probe.cfg.per_example:
+    if cfg.per_example:
         per_example = host.get("per_example", np.full((len(mods), 2), np.nan))
         columns["pe_act_grad_var"] = per_example[:, 0]
         columns["pe_grad_var"] = per_example[:, 1]
-    for name, (reached, _) in probe._contrib.items():
+    for name, (reached, _) in contributions.items():
         norms = np.full(len(mods), np.nan)  # NaN: the term sends nothing to the tensor
         if reached:
-            norms[reached] = robust_norms(host[f"contrib_{name}"], probe.numel[reached])
+            norms[reached] = robust_norms(host[f"contrib_{name}"], tensors.numel[reached])
         columns[f"contrib_{name}"] = norms
     return columns

@@ -44,12 +44,12 @@ def attach(probe, timeout: float = HANDSHAKE_SECONDS) -> Optional[Combiner]:
 
     rank, world = group
     combiner = Combiner()
-    probe.combiner = combiner
-    probe.counted = np.array([counts_here(p, rank) for p in probe.params], dtype=bool)
-    probe.plain = np.array([not is_dtensor(p) for p in probe.params], dtype=bool)
+    counted = np.array([counts_here(p, rank) for p in probe.params], dtype=bool)
+    plain = np.array([not is_dtensor(p) for p in probe.params], dtype=bool)
     # gloo reduces host tensors; NCCL only device tensors.
     backend = str(dist.get_backend())
-    probe.collective_device = torch.device("cpu") if "gloo" in backend else local(probe.params[0]).device
+    device = torch.device("cpu") if "gloo" in backend else local(probe.params[0]).device
+    probe.reducer.distribute(combiner, counted, plain, device)
     combiner.ready = _handshake(rank, world, timeout)
     return combiner
 

@@ -29,9 +29,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from gradrepro.probe.blocks import BLOCK, Layout, Stats, _pads, _Rows, _StatRows, regrow_, release_, zero_pads_
+from gradrepro.probe.blocks import BLOCK, Layout, Rows, StatRows, Stats, pad_index, regrow_, release_, zero_pads_
 
-Reduce = Callable[[_Rows, object, _StatRows], None]
+Reduce = Callable[[Rows, object, StatRows], None]
 
 # Blocks of the samples' window: 8 Mi entries, 32 MiB in float32, whatever the model (the output
 # gradients' stash takes half: probe.py). Larger than the gradients' window (blocks.WINDOW_BLOCKS)
@@ -61,7 +61,8 @@ class _Window:
         self.real = real
         self.real_t = torch.tensor(real, dtype=torch.float32, device=arange.device)
         # arange: the stash's one row 0..BLOCK-1
-        self.partial, self.tail, self.arange = _pads(real, np.flatnonzero(real < BLOCK), BLOCK, arange.device, arange)
+        self.partial, self.tail, self.arange = pad_index(real, np.flatnonzero(real < BLOCK), BLOCK,
+                                                         arange.device, arange)
 
 
 class Stash:
@@ -88,8 +89,8 @@ class Stash:
         self._cap = 0  # bytes the open window's storage grows to by doubling: its blocks in the last step
         self._windows: Dict[int, _Window] = {}
         self._real: List[np.ndarray] = []  # per segment, its blocks' entries (this step)
-        self._work: Dict[int, _Rows] = {}  # the first n rows of the buffer, per n
-        self._rows_of: Dict[Tuple[int, int], _StatRows] = {}
+        self._work: Dict[int, Rows] = {}  # the first n rows of the buffer, per n
+        self._rows_of: Dict[Tuple[int, int], StatRows] = {}
         self._last_blocks = 0  # the last step's: this step's rows are made that size
 
     # -- the step ---------------------------------------------------------------------------
@@ -232,10 +233,10 @@ class Stash:
         rows = len(known.real) if known is not None else self._window_size
         self._cap = rows * BLOCK * self._buffer.element_size()
 
-    def _work_rows(self, rows: int) -> _Rows:
+    def _work_rows(self, rows: int) -> Rows:
         work = self._work.get(rows)
         if work is None:
-            work = self._work[rows] = _Rows(self._base(rows * BLOCK).narrow(0, 0, rows * BLOCK).view(rows, BLOCK))
+            work = self._work[rows] = Rows(self._base(rows * BLOCK).narrow(0, 0, rows * BLOCK).view(rows, BLOCK))
         return work
 
     def _flush(self) -> None:
@@ -254,11 +255,11 @@ class Stash:
         zero_pads_(work, window)  # the pads of its partial blocks: never written, in memory just grown
         self._reduce(work, window, self._rows(start, stop))
 
-    def _rows(self, start: int, stop: int) -> _StatRows:
+    def _rows(self, start: int, stop: int) -> StatRows:
         key = (start, stop)
         rows = self._rows_of.get(key)
         if rows is None:
-            rows = self._rows_of[key] = _StatRows(self.stats, start, stop)
+            rows = self._rows_of[key] = StatRows(self.stats, start, stop)
         return rows
 
 

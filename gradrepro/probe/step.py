@@ -20,7 +20,7 @@ class ProbeStep:
 
     def __enter__(self) -> "ProbeStep":
         if self.logged:
-            self.probe._start(self.step, hooks=True)
+            self.probe.start(self.step, hooks=True)
         return self
 
     def log_anyway(self) -> None:
@@ -28,20 +28,20 @@ class ProbeStep:
         before backward: a non-finite loss). Its activation statistics are not recorded."""
         if not self.logged:
             self.logged = True
-            self.probe._start(self.step, hooks=False)
+            self.probe.start(self.step, hooks=False)
 
     def contribution(self, terms: Dict[str, torch.Tensor]) -> None:
         if self.logged:
-            self.probe._contribution(terms)
+            self.probe.contribute(terms)
 
     def collect(self) -> None:
         """Read the gradients: after backward (and unscaling), before clipping and the step."""
         if self.logged:
-            self.probe._collect()
+            self.probe.collect()
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.probe._disarm()
-        if self.logged and exc_type is None and self.probe._pending is not None:
-            self.columns = self.probe._after_step(self.step)
+        self.probe.disarm()
+        if self.logged and exc_type is None:
+            self.columns = self.probe.finish(self.step)
         if self.logged:  # nothing of the step's buffers is held until the next logged step
-            self.probe._release()
+            self.probe.release()

@@ -6,11 +6,11 @@ at the step it first appears, with the tensor or module, the step's numbers and 
     rec = gradrepro.record(..., silence=["eval_mode"])                         # one kind left out
 
 A finding goes to Python's ``warnings`` (category ``TrainingFinding``; ``on_finding="log"``:
-the ``gradrepro.diagnose.live`` logger instead), to ``findings.json`` in the run folder
+the ``gradrepro.watch.watcher`` logger instead), to ``findings.json`` in the run folder
 (written atomically when it appears) and to ``rec.findings()``.
 
-The invariants of a training step (``diagnose.invariants``: weights changed between steps,
-frozen tensors that move, gradients reset inside a step; ``diagnose.rule_check``: the update
+The invariants of a training step (``watch.invariants``: weights changed between steps,
+frozen tensors that move, gradients reset inside a step; ``watch.rule_check``: the update
 against its rule) are wired in here. Cost: on a step that is not logged, the fingerprints
 alone (``invariants``). On a logged step, besides the probe's own work:
 identity sets of the optimizer's and the model's tensors, one pass over the mode-sensitive
@@ -35,14 +35,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from gradrepro.diagnose import invariants
-from gradrepro.diagnose import live_checks as checks
 from gradrepro.diagnose.report import ERROR, INFO, NEXT_CHECK, WARNING, Finding
-from gradrepro.diagnose.rule_check import UpdateRuleCheck
 from gradrepro.diagnose.severity import PERSIST_STEPS
 from gradrepro.errors import UserError
 from gradrepro.probe.shards import local
 from gradrepro.records.files import write_json
+from gradrepro.watch import checks, invariants
+from gradrepro.watch.rule_check import UpdateRuleCheck
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +57,7 @@ KINDS: dict[str, str] = {
     "no_gradient": INFO, "grad_modified": ERROR, "nonfinite_gradient": ERROR, "stale_gradient": ERROR,
     "eval_mode": WARNING, "frozen_norm_drift": WARNING, "loss_scale_backoff": ERROR,
 }
-KINDS.update(invariants.KINDS)  # the step's invariants (diagnose.invariants, diagnose.rule_check)
+KINDS.update(invariants.KINDS)  # the step's invariants (watch.invariants, watch.rule_check)
 KINDS["update_mismatch"] = WARNING
 NEXT_CHECK.update(invariants.NEXT_CHECK)
 PERSISTING = ("no_gradient", "lr_zero")
@@ -113,7 +112,7 @@ def check_options(on_finding: str, silence: Any) -> list[str]:
     return silence
 
 
-class LiveChecks:
+class Watch:
     """The recorder's live findings; the recorder calls ``begin`` (a logged step begins),
     ``before_step``, ``after_step`` (with the probe's columns) and ``step_retried``."""
 
@@ -161,7 +160,7 @@ class LiveChecks:
         if self.scaler is not None:
             self._check_scale(step, float(self.scaler.get_scale()))
 
-    # -- on every step, logged or not: the fingerprints (diagnose.invariants) ------------------
+    # -- on every step, logged or not: the fingerprints (watch.invariants) ------------------
     def each_begin(self, step: int, logged: bool) -> None:
         """A step begins (its first forward pass, or ``rec.begin()``)."""
         self.invariants.step_begins(step)
@@ -244,9 +243,12 @@ class LiveChecks:
 
     # -- gradients around backward (logged steps only) ---------------------------------------
     def _on_output(self, module: nn.Module, args: Any, out: Any) -> None:
-        first = next((t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad), None)
-        if first is not None:
-            first.register_hook(self._backward_begins)
+        # Every output that carries a gradient, not only the first: the loss may weigh several
+        # (a segmentation model's auxiliary head, a detection model's dict of losses), and
+        # autograd reaches the one made last first, filling its branch's .grad before the
+        # first output's gradient exists. The first hook to fire in a backward is its start.
+        for t in {id(t): t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad}.values():
+            t.register_hook(self._backward_begins)
 
     def _trail(self, moment: str, *args: Any) -> None:
         """The backward trail's hook, which must never raise into the user's backward: a failure
@@ -258,8 +260,8 @@ class LiveChecks:
             self._hits.append(invariants.recorder_error_hit(exc, f"the backward hook ({moment})"))
 
     def _backward_begins(self, grad: torch.Tensor) -> None:
-        """The gradient reached the model's output (first of its outputs in this backward):
-        .grad holds what earlier backward passes left."""
+        """The gradient reached one of the model's outputs, the first in this backward (the
+        others return at once): .grad holds what earlier backward passes left."""
         if self._in_backward:
             return None
         self._trail("begins")

@@ -1,5 +1,5 @@
 """Invariants of a training step that ``gradrepro.record`` checks live, from what its hooks see
-(``diagnose.live`` wires them in). Each is a property every correct loop keeps, so a
+(``watch.watcher`` wires them in). Each is a property every correct loop keeps, so a
 contradiction is reported at once, with the tensors and the likely cause:
 
 - ``changed_between_steps``: no parameter changes between one ``optimizer.step()`` and the
@@ -18,7 +18,7 @@ contradiction is reported at once, with the tensors and the likely cause:
   minimisation) has consumed it; one whose first backward starts from the last step's sum (a
   GAN's generator pass writing the discriminator's ``.grad``) is the carried-sum case,
   ``stale_gradient``'s. Checked on logged steps.
-- ``eval_mode`` (with ``live_checks.mode_hits``): the modules whose forward reads their
+- ``eval_mode`` (with ``checks.mode_hits``): the modules whose forward reads their
   ``training`` flag are found from their code (``training_readers``), not only Dropout and
   BatchNorm instances: functional dropout, stochastic depth, attention dropout.
 - ``recorder_error``: the recorder itself failed; recording stops and the loop goes on.
@@ -43,7 +43,7 @@ from torch import nn
 from gradrepro.diagnose.report import WARNING
 from gradrepro.probe.shards import DTensor, local
 
-Hit = tuple[str, str, str, dict]  # kind, name, detail, evidence (as live_checks.Hit)
+Hit = tuple[str, str, str, dict]  # kind, name, detail, evidence (as checks.Hit)
 
 KINDS: dict[str, str] = {"changed_between_steps": WARNING, "frozen_moved": WARNING,
                          "grad_reset_in_step": WARNING, "recorder_error": WARNING}
@@ -343,7 +343,7 @@ _SOURCE_CACHE: dict[type, bool] = {}
 
 def _class_reads_training(cls: type) -> bool:
     """Whether a module class's own code (its MRO below nn.Module, torch.nn's classes left to
-    ``live_checks.mode_sensitive``) reads ``self.training``."""
+    ``checks.mode_sensitive``) reads ``self.training``."""
     if cls in _SOURCE_CACHE:
         return _SOURCE_CACHE[cls]
     found = False

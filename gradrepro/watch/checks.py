@@ -1,6 +1,6 @@
-"""The checks ``gradrepro.record`` makes on every logged step (``diagnose.live``), each a pure
+"""The checks ``gradrepro.record`` makes on every logged step (``watch.watcher``), each a pure
 function of the model, the optimizer and the probe's columns of that step. Each returns
-``(kind, name, detail, evidence)`` tuples; ``live.LiveChecks`` turns them into findings.
+``(kind, name, detail, evidence)`` tuples; ``watcher.Watch`` turns them into findings.
 
 The kinds and what each rests on:
 

@@ -16,8 +16,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from gradrepro.diagnose.invariants import SAMPLES, Fingerprints, Hit, _flat
 from gradrepro.diagnose.update_rule import predict, rule_name
+from gradrepro.watch.invariants import SAMPLES, Fingerprints, Hit, _flat
 
 RTOL = 1e-3
 ULPS = 4.0

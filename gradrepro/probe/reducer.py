@@ -1,0 +1,234 @@
+"""The reducer that turns a logged step's blocks into ``modules.parquet``'s columns: the
+block passes over the buffers (probe/blocks.py) in a fixed number of operations per window,
+the one transfer to the host, and the host's float64 sums (probe/columns.py), with the one
+collective of a distributed run (probe/shards.py) inside."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+
+from gradrepro.probe.blocks import (
+    BLOCK,
+    bf16_lost_,
+    level_sums_,
+    moments_,
+    release_,
+    squares,
+    zero_pads_,
+)
+from gradrepro.probe.buffers import StepBuffers
+from gradrepro.probe.columns import activation_columns, gradient_columns
+from gradrepro.probe.extras import optional_parts, step_residuals
+from gradrepro.probe.hooks import Hooks
+from gradrepro.probe.kernels import to_host
+from gradrepro.probe.tensors import ProbedTensors
+
+
+class Reducer:
+    """Block passes and columns for ``tensors``; ``weight_decay`` is the optimizer's
+    (grad_to_decay = ||grad of the loss|| / ||wd * w||, He et al. 2015, footnote 2; 0 leaves
+    the column NaN)."""
+
+    def __init__(self, tensors: ProbedTensors, cfg, weight_decay: float = 0.0) -> None:
+        self.tensors, self.cfg, self.weight_decay = tensors, cfg, weight_decay
+        # Per module, the updates bf16 weights round away (frac_bf16_update_lost): measured
+        # when the recorder sees bf16 weights or bf16 autocast; two buffer passes more.
+        self.bf16 = False
+        # Set by ``distribute`` when the process group has more than one process: the one
+        # collective of a logged step (shards.Combiner), and per tensor whether this
+        # process's part counts toward the full tensor and whether it is a plain replica.
+        self.combiner = None
+        self.counted: Optional[np.ndarray] = None
+        self.plain: Optional[np.ndarray] = None
+        self.collective_device = torch.device("cpu")
+        # The output gradients' fp16-flush count: a float16 copy of a window, and its count row.
+        self._half: Optional[torch.Tensor] = None
+        self._half_views: Dict[int, tuple] = {}
+
+    def distribute(self, combiner, counted: np.ndarray, plain: np.ndarray, device: torch.device) -> None:
+        """The statistics of the full tensors, from every process's part (probe/ranks.py)."""
+        self.combiner, self.counted, self.plain, self.collective_device = combiner, counted, plain, device
+
+    # -- the hooks' samples, a window at a time -----------------------------------------------
+    @staticmethod
+    def act_window(work, window, rows) -> None:
+        moments_(work, window, rows, "")
+
+    def act_grad_window(self, work, window, rows) -> None:
+        """The zero and fp16-flush counts, then the moments in place. Per block, the entries
+        that are not zero (a norm of order 0: NaN and inf count) and those a float16 copy keeps
+        non-zero (|x| > FP16_FLUSH = 2^-25, NaN and inf: rounding to nearest even takes exactly
+        the others to zero), through a float16 copy of the window (half its bytes, handed back
+        at once), so that the window itself stays as the moments need it."""
+        grid = work.grid
+        half, kept = self._half_for(grid.shape[0], grid.device)
+        torch.linalg.vector_norm(grid, 0, dim=1, out=rows.row["nonzero"])
+        half.copy_(grid)
+        torch.linalg.vector_norm(half, 0, dim=1, out=kept)  # exact: at most BLOCK
+        rows.row["kept"].copy_(kept)
+        release_(half)
+        moments_(work, window, rows, "")
+
+    def _half_for(self, rows: int, device: torch.device):
+        """A ``rows x BLOCK`` float16 grid and a count row of ``rows`` after it, in one buffer
+        whose storage holds those alone (grown here, handed back after each use)."""
+        need = rows * (BLOCK + 1)
+        if self._half is None or self._half.numel() < need or self._half.device != device:
+            self._half = torch.empty(need, dtype=torch.float16, device=device)
+            self._half_views = {}
+        storage = self._half.untyped_storage()
+        if storage.nbytes() < 2 * need:
+            storage.resize_(2 * need)
+        views = self._half_views.get(rows)
+        if views is None:
+            views = self._half_views[rows] = (self._half.narrow(0, 0, rows * BLOCK).view(rows, BLOCK),
+                                              self._half.narrow(0, rows * BLOCK, rows))
+        return views
+
+    def release(self) -> None:
+        if self._half is not None:
+            release_(self._half)
+
+    # -- gradients (after backward, before the optimizer step) --------------------------------
+    def collect(self, buffers: StepBuffers, summing: bool) -> dict:
+        """The gradients' and the parameters' passes; what ``finish`` needs after the step."""
+        with torch.no_grad():
+            buffers.close_stashes()  # first: their windows are handed back before any buffer below grows
+            buffers.ensure_layout()
+            have, grads = self.tensors.grads()
+            windows, stats, carrying = buffers.windows, buffers.stats, buffers.carrying
+            windows.regrow()
+            stats.regrow()
+            grad_of = dict(zip(have, grads))
+            carried = windows.rows(buffers.carried) if carrying else None
+            for w, (part, rows) in enumerate(zip(windows.parts, windows.rows(stats))):
+                targets, sources = windows.pieces(part, grad_of)
+                if not targets:  # no gradient in this window: its rows stay zero (never read)
+                    continue
+                work = part.work
+                work.flat.zero_()  # the pads, and the segments without a gradient
+                torch._foreach_copy_(targets, sources)
+                work.flat.abs_()
+                level_sums_(work.grid, rows, "g_", nan=False)
+                torch._foreach_copy_(targets, sources)
+                if carried is not None:  # this step's own gradient: .grad minus what it carried in
+                    torch.sub(work.flat, carried[w].flat, out=carried[w].flat)
+                moments_(work, part, rows, "g_")
+                if carried is not None:
+                    squares(carried[w].grid, rows, "f_", work=work.grid)
+            fresh = grads if not carrying else buffers.carried_views(have)
+            if summing:
+                buffers.add_to_running_sum(have, fresh)
+            self._before_passes(buffers)
+        # The windows hold nothing across the optimizer's step (their next use writes them
+        # first): handed back, so that the step's memory is the copy's alone beside the training's.
+        windows.release()
+        return {"have": have, "grads": grads, "carried": carrying, "fresh": fresh if summing else None}
+
+    def _before_passes(self, buffers: StepBuffers) -> None:
+        """The parameters before the step: copied into ``buffers.before`` and their norms."""
+        windows, stats, before, layout = buffers.windows, buffers.stats, buffers.before, buffers.layout
+        if buffers.host_before:  # a window at a time through the work buffer, then to the host
+            before.regrow()
+            param_of = dict(enumerate(self.tensors.values()))
+            for part, rows, h in zip(windows.parts, windows.rows(stats), windows.rows(before)):
+                targets, sources = windows.pieces(part, param_of)
+                work = part.work
+                work.flat.zero_()  # the pads
+                torch._foreach_copy_(targets, sources)
+                h.flat.copy_(work.flat, non_blocking=True)  # ordered before the next pass
+                squares(work.grid, rows, "p_", work=work.grid)
+            return
+        # The windows go before the copy comes, so that the copy alone is held beside the
+        # gradients: its norms' scaled pass runs in place, and a second copy (the parameters
+        # are as they were) puts its values back.
+        windows.release()
+        before.regrow()
+        params = self.tensors.values()
+        torch._foreach_copy_(list(before.views), list(params))
+        zero_pads_(before, layout)
+        for rows, b in zip(windows.rows(stats), windows.rows(before)):
+            squares(b.grid, rows, "p_", work=b.grid)
+        torch._foreach_copy_(list(before.views), list(params))
+
+    # -- after the optimizer step: update norms, the one host transfer, the columns -----------
+    def finish(self, buffers: StepBuffers, hooks: Hooks, step: int, pending: dict,
+               lr: float, summing: bool) -> Dict[str, np.ndarray]:
+        windows, before, stats = buffers.windows, buffers.before, buffers.stats
+        residuals = summing and pending.get("fresh") is not None and lr > 0
+        # Where nothing reads the update after its norms (no bf16 count, no running-sum
+        # residuals), its scaled pass overwrites it and the windows stay handed back.
+        spare = self.bf16 or buffers.host_before or residuals
+        with torch.no_grad():
+            if spare:
+                windows.regrow()
+            params = self.tensors.values()
+            if buffers.host_before:  # the update a window at a time, bf16's count with it
+                self._host_updates(buffers, params, pending)
+            else:
+                torch._foreach_sub_(before.views, params)  # before - after
+                for part, rows, b in zip(windows.parts, windows.rows(stats), windows.rows(before)):
+                    squares(b.grid, rows, "u_", work=part.work.grid if spare else b.grid)
+                if not spare:
+                    before.release()  # spent: its memory back before the transfer's
+            parts = {"params": stats.data}
+            if buffers.acts.seen:
+                parts["acts"] = buffers.acts.result()
+            if buffers.act_grads.seen:
+                parts["act_grads"] = buffers.act_grads.result()
+            if residuals:
+                parts["residuals"] = step_residuals(before.views, pending["have"], pending["fresh"],
+                                                    buffers.running, lr)
+            parts.update(optional_parts(self.tensors.module_of, hooks.per_example, hooks.act_grad_hist,
+                                        hooks.contributions))
+            if self.bf16 and not buffers.host_before:  # last: it spends the update buffer
+                grad_of = dict(zip(pending["have"], pending["grads"]))
+                param_of = dict(enumerate(params))
+                for part, rows, b in zip(windows.parts, windows.rows(stats), windows.rows(before)):
+                    bf16_lost_(b, part.work, windows.pieces(part, grad_of), windows.pieces(part, param_of),
+                               rows.row["b_lost"])
+            host = to_host(parts)  # the one transfer
+        buffers.release()
+        self.release()
+        hooks.clear()
+        columns = gradient_columns(self, buffers, step, host, pending)
+        columns.update(activation_columns(self.tensors, self.cfg, buffers, hooks.contributions, host))
+        hooks.contributions.clear()
+        return columns
+
+    def _host_updates(self, buffers: StepBuffers, params: List[torch.Tensor], pending: dict) -> None:
+        """The update ``before - after`` of each window in the staging buffer, from the host
+        copy: the same entries, so the same per-block values as the whole-layout path."""
+        windows, staging = buffers.windows, buffers.staging
+        staging.regrow()
+        param_of = dict(enumerate(params))
+        grad_of = dict(zip(pending["have"], pending["grads"]))
+        for part, stage, rows, h in zip(windows.parts, staging.parts, windows.rows(buffers.stats),
+                                        windows.rows(buffers.before)):
+            b = stage.work
+            b.flat.copy_(h.flat, non_blocking=True)
+            targets, sources = staging.pieces(stage, param_of)
+            if targets:
+                torch._foreach_sub_(targets, sources)
+            squares(b.grid, rows, "u_", work=part.work.grid)
+            if self.bf16:  # it spends both windows
+                bf16_lost_(b, part.work, windows.pieces(part, grad_of), windows.pieces(part, param_of),
+                           rows.row["b_lost"])
+
+
+def total_grad_norm(columns: Dict[str, np.ndarray]) -> float:
+    """The whole model's gradient norm: tensors without a gradient (``none``) are left out,
+    a non-finite one makes the total non-finite (it is recorded, never dropped)."""
+    has_grad = columns["grad_state"] != "none"
+    return float(np.sqrt(np.sum(np.asarray(columns["grad_norm"], dtype=float)[has_grad] ** 2)))
+
+
+def step_norms(columns: Dict[str, np.ndarray]) -> Dict[str, float]:
+    """One logged step's whole-model gradient norms, as ``scalars.parquet`` records them:
+    ``grad_norm`` (what ``.grad`` held) and ``fresh_grad_norm`` (this step's backward alone)."""
+    return {"grad_norm": total_grad_norm(columns),
+            "fresh_grad_norm": float(np.sqrt(np.nansum(np.asarray(columns["fresh_grad_norm"], dtype=float) ** 2)))}
+
