@@ -30,7 +30,8 @@ def margins_rows() -> pd.DataFrame:
     lines = [line for line in section.splitlines() if line.startswith("|")]
     lines = [line for i, line in enumerate(lines) if i != 1]  # the |:---| rule
     table = "\n".join(line.strip().strip("|") for line in lines)
-    return pd.read_csv(io.StringIO(table), sep=r"\s*\|\s*", engine="python", dtype=str).apply(
+    # split on unescaped pipes: a cell may hold an escaped one (a quantity such as |log2(x)|)
+    return pd.read_csv(io.StringIO(table), sep=r"\s*(?<!\\)\|\s*", engine="python", dtype=str).apply(
         lambda col: col.str.strip())
 
 

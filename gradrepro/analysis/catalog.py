@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from gradrepro.analysis.fit_width import markdown
 from gradrepro.analysis.reference_table import report_seeds, signature_held
 from gradrepro.config.compose import composer, group_options_recursive
 from gradrepro.records.files import atomic_write
@@ -120,7 +121,7 @@ def held_sentence(table: pd.DataFrame) -> str:
 def block() -> str:
     """The README's table, between its markers, and what did not hold on every seed."""
     table = catalog()
-    return f"{BEGIN}\n\n{table.to_markdown(index=False)}\n\n{held_sentence(table)}\n\n{END}"
+    return f"{BEGIN}\n\n{markdown(table)}\n\n{held_sentence(table)}\n\n{END}"
 
 
 def replace_block(text: str, new_block: str) -> str:

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence
 
 import pandas as pd
 
+from gradrepro.analysis.fit_width import markdown
 from gradrepro.records.reader import Run
 
 MARKER = "<!-- judged by configs and signature code with source hash {hash} -->"
@@ -131,5 +132,5 @@ def evidence_section(runs: Sequence[Run], tables: Dict[str, pd.DataFrame], sourc
     ]
     if not margins.empty:
         shown = margins[[c for c in SHOWN if c in margins.columns]]
-        lines += [shown.to_markdown(index=False, floatfmt=".4g", missingval=""), ""]
+        lines += [markdown(shown, floatfmt=".4g", missingval=""), ""]
     return lines

@@ -47,6 +47,7 @@ import gradrepro
 from gradrepro.analysis.compare import compare
 from gradrepro.analysis.compare_figure import plot_runs
 from gradrepro.analysis.evidence_report import evidence_section, recorded_hash, stale_notice
+from gradrepro.analysis.fit_width import markdown
 from gradrepro.analysis.report_header import (
     claim_sentence,
     commits_sentence,
@@ -227,7 +228,7 @@ def write_report(
     figures = _figures(runs, out_dir, warnings)
     table = claims_table(runs, runs_df, extra)
     lines = [header, "", *evidence_section(runs, tables, source_hash()), "## Every check, over the seeds", "",
-             table.to_markdown(index=False), "", "## Experiments", ""]
+             markdown(table), "", "## Experiments", ""]
     for name in sorted(figures):
         run = next(r for r in runs if r.experiment == name)
         paper = run.summary.get("paper") or {}
@@ -238,7 +239,7 @@ def write_report(
     lines += [
         "## Per-experiment means",
         "",
-        for_reading(_group_means(runs_df)).to_markdown(index=False),
+        markdown(for_reading(_group_means(runs_df))),
         "",
     ]
     if warnings:

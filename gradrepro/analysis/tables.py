@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from gradrepro.analysis.checks import checks_table, current_signature, margins_table
-from gradrepro.analysis.fit_width import WIDTH, markdown_within
+from gradrepro.analysis.fit_width import WIDTH, markdown, markdown_within
 from gradrepro.analysis.versions import version_columns, version_warnings
 from gradrepro.records.reader import Run, signature_of
 from gradrepro.signature import evaluate
@@ -327,7 +327,7 @@ def render(
         elif width is not None:
             body = markdown_within(for_reading(df), width)
         else:
-            body = for_reading(df).to_markdown(index=False, floatfmt=".4g", missingval="")
+            body = markdown(for_reading(df), floatfmt=".4g", missingval="")
         if len(chosen) > 1:
             title = (
                 TITLES[name]
