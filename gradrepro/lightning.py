@@ -26,9 +26,8 @@ from typing import Any, Optional
 
 import torch
 
-from gradrepro.errors import UserError
 from gradrepro.record import Recorder
-from gradrepro.records.claim import existing_run
+from gradrepro.records.claim import refuse_taken
 
 try:  # the unified package first; the standalone one where only it is installed
     from lightning.pytorch.callbacks import Callback
@@ -46,10 +45,7 @@ class Record(Callback):
     def __init__(self, run_dir: str | Path, every: int = 10, **options: Any) -> None:
         super().__init__()
         self.run_dir, self.every, self.options = Path(run_dir).expanduser(), every, options
-        found = existing_run(self.run_dir)  # refused here, in one line, before any training
-        if found is not None:
-            raise UserError(f"run folder {str(self.run_dir)!r} already holds a run ({found}): choose another "
-                            "folder, or move that run away first")
+        refuse_taken(self.run_dir)  # refused here, in one line, before any training
         self.recorder: Optional[Recorder] = None
         self._losses: list[torch.Tensor] = []
         self._reads_at_step = False  # the gradients read at the optimizer's step (after any clipping)

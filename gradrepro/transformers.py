@@ -42,7 +42,7 @@ import torch
 from gradrepro.diagnose.report import INFO
 from gradrepro.errors import UserError
 from gradrepro.record import Recorder
-from gradrepro.records.claim import existing_run
+from gradrepro.records.claim import refuse_taken
 
 try:
     from transformers import TrainerCallback
@@ -65,10 +65,7 @@ class Record(TrainerCallback):
         super().__init__()
         self.run_dir, self.every, self.log_findings, self.options = Path(run_dir).expanduser(), every, \
             log_findings, options
-        found = existing_run(self.run_dir)  # refused here, in one line, before any training
-        if found is not None:
-            raise UserError(f"run folder {str(self.run_dir)!r} already holds a run ({found}): choose another "
-                            "folder, or move that run away first")
+        refuse_taken(self.run_dir)  # refused here, in one line, before any training
         self.recorder: Optional[Recorder] = None
         self._losses: list[torch.Tensor] = []
         self._sums = False  # the Trainer passed num_items_in_batch: the micro-batch losses add up
@@ -92,8 +89,8 @@ class Record(TrainerCallback):
         options = {"steps": state.max_steps if state.max_steps and state.max_steps > 0 else None, **self.options}
         if args.bf16:
             options.setdefault("bf16", True)
-        self.recorder = Recorder(model, inner, self.run_dir, every=self.every, scaler=getattr(optimizer, "scaler", None),
-                                 hooks=False, **options)
+        self.recorder = Recorder(model, inner, self.run_dir, every=self.every,
+                                 scaler=getattr(optimizer, "scaler", None), hooks=False, **options)
         self.recorder.step = state.global_step  # a resumed run goes on counting
         self._handle = model.register_forward_hook(self._keep_loss, with_kwargs=True)
 

@@ -45,7 +45,8 @@ def train(kind, run_dir, tmp_path, steps=8, callbacks=(), optimizers=(None, None
     ``trainer.integration.logs``: what an integration listed before the callback was handed."""
     callback = Record(run_dir, every=1)
     integration = Integration()
-    trainer = Trainer(model=model if model is not None else hf_tiny.build(kind), args=hf_tiny.trainer_args(tmp_path / "out", steps=steps, **kw),
+    model = model if model is not None else hf_tiny.build(kind)
+    trainer = Trainer(model=model, args=hf_tiny.trainer_args(tmp_path / "out", steps=steps, **kw),
                       train_dataset=hf_tiny.Tokens(kind), callbacks=[integration, callback, *callbacks],
                       optimizers=optimizers)
     trainer.integration = integration

@@ -66,6 +66,15 @@ def existing_run(folder: Path, markers: Sequence[str] = RUN_MARKERS) -> Optional
     return None
 
 
+def refuse_taken(folder: Path) -> None:
+    """UserError, in one line, if ``folder`` already holds a run: what a framework callback checks
+    when it is made, before any training."""
+    found = existing_run(folder)
+    if found is not None:
+        raise UserError(f"run folder {str(folder)!r} already holds a run ({found}): choose another "
+                        "folder, or move that run away first")
+
+
 def claim(folder: Path, what: str = "run folder", markers: Sequence[str] = RUN_MARKERS,
           exclusive: bool = False) -> Path:
     """Claim ``folder`` for this process (nested claims by the same process are allowed unless
