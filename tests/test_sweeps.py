@@ -348,3 +348,20 @@ def test_missing_launcher_plugin_is_one_line_naming_the_extra(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "gradrepro: error: hydra/launcher=ray needs hydra_ray_launcher: pip install -e '.[ray]'"
     ]
+
+
+def test_a_key_only_the_swept_experiments_have_is_forced_for_hydras_primary_compose():
+    """``experiment=a,b data.background_std=3``: Hydra composes the sweep once without its
+    swept values (default data, no such key) before any job; the preflight forces the plain
+    override with ``++`` (every job composed with it) and leaves the others as typed."""
+    from gradrepro.cli import preflight
+
+    argv = ["-m", "experiment=simsiam_baseline,simsiam_nostopgrad", "scale=tiny",
+            "data.background_std=3.0", "seed=1"]
+    checked = preflight.check(argv)
+    assert checked.forced == {"data.background_std=3.0": "++data.background_std=3.0"}
+    assert checked.cfg.data.background_std == 3.0
+    # a key every config has needs nothing; one no job has is still one line
+    assert preflight.check(["-m", "experiment=simsiam_baseline,simsiam_nostopgrad", "seed=1"]).forced == {}
+    with pytest.raises(preflight.UserError, match="data.no_such_key"):
+        preflight.check(["-m", "experiment=simsiam_baseline,simsiam_nostopgrad", "data.no_such_key=1"])

@@ -169,6 +169,8 @@ def _prepare(argv: list) -> Optional[preflight.Checked]:
     if os.environ.get("HYDRA_FULL_ERROR"):
         return None
     checked = preflight.check(argv)
+    if checked.forced:  # what Hydra's primary compose of a sweep needs (preflight.forced_for_sweep)
+        argv = sys.argv[1:] = [checked.forced.get(arg, arg) for arg in argv]
     if checked.path is not None:
         claimed = preflight.claim_output(checked)
         try:

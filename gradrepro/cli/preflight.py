@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -168,6 +168,7 @@ class Checked:
     path: Optional[Path]
     explicit: bool  # named on the command line (claimed as is) or a default (made unique)
     sweep: bool
+    forced: Dict[str, str] = field(default_factory=dict)  # override -> ++override (forced_for_sweep)
 
 
 def check(argv: Sequence[str], compose_only: bool = False) -> Checked:
@@ -216,9 +217,44 @@ def check(argv: Sequence[str], compose_only: bool = False) -> Checked:
                 except Exception as exc:  # noqa: BLE001 - a value the checks could not even compare
                     raise UserError(explain(exc, last_cfg)) from None
             path = check_output_dir(compose, config_name, variant, args.multirun)
+        forced = {} if compose_only or not args.multirun else forced_for_sweep(
+            compose, overrides, config_name, config_dir)
     key = "hydra.sweep.dir" if args.multirun else "hydra.run.dir"
     explicit = any(o.lstrip("+").startswith(f"{key}=") for o in args.overrides)
-    return Checked(last_cfg, list(args.overrides), key, path, explicit, bool(args.multirun))
+    return Checked(last_cfg, list(args.overrides), key, path, explicit, bool(args.multirun), forced)
+
+
+def forced_for_sweep(compose: Compose, overrides: List[str], config_name: str,
+                     config_dir: Path) -> Dict[str, str]:
+    """Before its jobs, Hydra composes a sweep's primary config with the swept overrides left
+    out. A key that only a swept choice brings (``data.background_std`` beside
+    ``experiment=simsiam_baseline,simsiam_nostopgrad``, whose default data has no such key)
+    fails there, although every job has it. Every job was composed above with the plain
+    override, so ``++`` (set the key, adding it where missing) gives each job the same config
+    and lets the primary compose pass. Returns ``{override: ++override}`` (empty where nothing
+    needs it); a primary config that fails for another reason is one line."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    if not any(o.is_sweep_override() for o in parsed):
+        return {}
+    fixed = [(raw, o) for raw, o in zip(overrides, parsed) if not o.is_sweep_override()]
+    try:
+        compose([raw for raw, _ in fixed], config_name=config_name)
+        return {}
+    except Exception:  # noqa: BLE001 - Hydra raises many types; retried below
+        pass
+    plain = {raw: o.key_or_group for raw, o in fixed
+             if not raw.startswith(("+", "~")) and not o.key_or_group.startswith("hydra")
+             and not (config_dir / o.key_or_group).is_dir()}
+    try:
+        primary = compose([raw for raw, _ in fixed if raw not in plain], config_name=config_name)
+        absent = object()
+        forced = {raw: f"++{raw}" for raw, key in plain.items()
+                  if OmegaConf.select(primary, key, default=absent) is absent}
+        compose([forced.get(raw, raw) for raw, _ in fixed], config_name=config_name)
+    except Exception as exc:  # noqa: BLE001 - Hydra raises many types
+        raise UserError(f"the sweep's primary config (the command without its swept values) does not "
+                        f"compose: {explain(exc)}") from None
+    return forced
 
 
 def claim_output(checked: Checked) -> Path:
