@@ -20,11 +20,14 @@ then divides by the step's item count), their mean otherwise. A run that raises 
 ``train()`` leaves its folder at the last flush with status ``running`` (the Trainer has no
 callback event for an exception).
 
-Findings are also written into the Trainer's log (``on_log``; the callback puts itself first in
-the Trainer's list, ahead of the ``report_to`` integrations), so TensorBoard, W&B, ... send them
-on: ``gradrepro/findings`` (how many warnings and errors so far) and one
-``gradrepro/<kind>/<name>`` per finding, valued at the step it appeared (-1 where it is a summary
-over the steps).
+Findings are also written into the Trainer's log (``on_log``): ``gradrepro/findings`` (how many
+warnings and errors so far) and one ``gradrepro/<kind>/<name>`` per finding, valued at the step it
+appeared (-1 where it is a summary over the steps). The Trainer hands one ``logs`` dict to its
+callbacks in list order and lists the ``report_to`` integrations before the user's callbacks, so
+TensorBoard, W&B, ... send these keys on only from a callback ahead of them:
+``record.put_first(trainer)`` moves the callback to the front of ``trainer.callback_handler``'s
+list (a callback is not handed the Trainer, so it cannot do this itself); where ``report_to``
+names integrations and it was not called, ``train()`` warns once.
 
 Every process records (the statistics of a replicated tensor are of the full, synchronised
 tensor, from every process); rank 0 writes the run folder. DeepSpeed (its engine owns the
@@ -33,7 +36,7 @@ gradients and the step) and FSDP1 (flattened parameters) are refused in one line
 
 from __future__ import annotations
 
-import sys
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -70,11 +73,28 @@ class Record(TrainerCallback):
         self._losses: list[torch.Tensor] = []
         self._sums = False  # the Trainer passed num_items_in_batch: the micro-batch losses add up
         self._handle: Any = None
+        self._first = False  # put_first was called: the report_to integrations see the findings
 
     # -- set-up: refused in one line, before any step -------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         _check_strategy(args)
-        _go_first(self)
+
+    def put_first(self, trainer: Any) -> "Record":
+        """Move this callback to the front of ``trainer``'s callback list, ahead of the ``report_to``
+        integrations, so that the findings it adds to the Trainer's log are in the ``logs`` they send.
+
+        Args:
+            trainer: the ``transformers.Trainer`` this callback was given to (``callbacks=[...]`` or
+                ``trainer.add_callback``).
+        """
+        callbacks = trainer.callback_handler.callbacks
+        if self not in callbacks:
+            raise UserError("gradrepro.transformers.Record.put_first: this callback is not in the Trainer's "
+                            "callbacks: pass it in Trainer(callbacks=[...]) or trainer.add_callback first")
+        callbacks.remove(self)
+        callbacks.insert(0, self)
+        self._first = True
+        return self
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
@@ -92,6 +112,11 @@ class Record(TrainerCallback):
         self.recorder = Recorder(model, inner, self.run_dir, every=self.every,
                                  scaler=getattr(optimizer, "scaler", None), hooks=False, **options)
         self.recorder.step = state.global_step  # a resumed run goes on counting
+        integrations = [name for name in (getattr(args, "report_to", None) or []) if name != "none"]
+        if self.log_findings and integrations and not self._first and getattr(state, "is_world_process_zero", True):
+            warnings.warn(f"gradrepro.transformers.Record: the report_to integrations ({', '.join(integrations)}) "
+                          "run before this callback and will not send its findings: call record.put_first(trainer) "
+                          "after building the Trainer (or pass log_findings=False)", UserWarning, stacklevel=2)
         self._handle = model.register_forward_hook(self._keep_loss, with_kwargs=True)
 
     # -- the step: begin, gradients read after clipping, end -------------------------------------
@@ -140,19 +165,6 @@ class Record(TrainerCallback):
             self._handle = None
         if self.recorder is not None:
             self.recorder.close(status, error)
-
-
-def _go_first(callback: TrainerCallback) -> None:
-    """Put ``callback`` first in the Trainer's callback list: the Trainer lists the ``report_to``
-    integrations before the user's callbacks and hands every one the same ``logs`` dict in turn,
-    so only a callback ahead of them adds keys they send on. The list is the calling
-    ``CallbackHandler``'s (callbacks are not handed the Trainer); where it is not found (another
-    caller), the findings still reach the callbacks after this one."""
-    handler = sys._getframe(2).f_locals.get("self")  # on_init_end <- CallbackHandler.call_event
-    callbacks = getattr(handler, "callbacks", None)
-    if isinstance(callbacks, list) and callback in callbacks:
-        callbacks.remove(callback)  # call_event's loop goes on at the next one: the items after it keep their places
-        callbacks.insert(0, callback)
 
 
 def _check_strategy(args: Any) -> None:

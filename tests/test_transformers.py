@@ -50,6 +50,7 @@ def train(kind, run_dir, tmp_path, steps=8, callbacks=(), optimizers=(None, None
                       train_dataset=hf_tiny.Tokens(kind), callbacks=[integration, callback, *callbacks],
                       optimizers=optimizers)
     trainer.integration = integration
+    callback.put_first(trainer)  # ahead of the integration, as of the report_to ones
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
@@ -106,6 +107,7 @@ def test_a_schedule_that_reaches_zero_is_found_at_the_step_it_does(kind, tmp_pat
     callback, integration = Record(tmp_path / "lr0", every=1), Integration()
     trainer = Trainer(model=model, args=hf_tiny.trainer_args(tmp_path / "out"), train_dataset=hf_tiny.Tokens(kind),
                       callbacks=[integration, callback], optimizers=(opt, sched))
+    callback.put_first(trainer)
     with pytest.warns(UserWarning, match="step 4: lr_zero"):
         trainer.train()
     found = [f for f in serious(callback) if f.kind == "lr_zero"]
@@ -113,6 +115,45 @@ def test_a_schedule_that_reaches_zero_is_found_at_the_step_it_does(kind, tmp_pat
     # in the Trainer's log from the first log after step 4 (logging_steps=2: the log at global step 6)
     named = [[k for k, v in h.items() if k.startswith("gradrepro/lr_zero/") and v == 4] for h in integration.logs]
     assert not any(named[:2]) and all(named[2:]) and integration.logs[2]["gradrepro/findings"] >= 1
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_findings_reach_a_report_to_integration_when_the_callback_is_put_first(first, tmp_path):
+    """TensorBoard through ``report_to``: the Trainer lists it before the user's callbacks, so the
+    findings' keys are in its event file after ``put_first`` and absent (with a warning) without."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model = hf_tiny.build("classifier")
+    opt, sched = hf_tiny.adamw_and_schedule(model, total=4)  # lr 0 from step 4 of 8
+    args = hf_tiny.trainer_args(tmp_path / "out")
+    args.report_to = ["tensorboard"]
+    callback = Record(tmp_path / "run", every=1)
+    trainer = Trainer(model=model, args=args, train_dataset=hf_tiny.Tokens("classifier"), callbacks=[callback],
+                      optimizers=(opt, sched))
+    if first:
+        callback.put_first(trainer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    told = [str(w.message) for w in caught if "put_first" in str(w.message)]
+    assert bool(told) is not first, told
+    (events,) = {p.parent for p in (tmp_path / "out").rglob("events.out.tfevents*")}
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert any(t.endswith("loss") for t in tags)  # the integration wrote the Trainer's log
+    lr_zero = [t for t in tags if t.startswith("train/gradrepro/lr_zero/")]  # TensorBoard adds "train/"
+    assert bool(lr_zero) is first and ("train/gradrepro/findings" in tags) is first, tags
+    for tag in lr_zero:
+        assert {e.value for e in acc.Scalars(tag)} == {4.0}  # the step the rate reached 0
+
+
+def test_put_first_on_a_trainer_without_the_callback_is_one_line(tmp_path):
+    trainer = Trainer(model=hf_tiny.build("classifier"), args=hf_tiny.trainer_args(tmp_path / "out"),
+                      train_dataset=hf_tiny.Tokens("classifier"))
+    with pytest.raises(UserError, match="not in the Trainer's callbacks"):
+        Record(tmp_path / "r").put_first(trainer)
 
 
 class FreezeAt(TrainerCallback):
