@@ -31,7 +31,8 @@ names integrations and it was not called, ``train()`` warns once.
 
 Every process records (the statistics of a replicated tensor are of the full, synchronised
 tensor, from every process); rank 0 writes the run folder. DeepSpeed (its engine owns the
-gradients and the step) and FSDP1 (flattened parameters) are refused in one line.
+gradients and the step) and FSDP, either version, are refused in one line: Accelerate runs FSDP
+on GPUs only (on CPU, gloo, the Trainer given ``fsdp`` runs DDP), so it is untested here.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class Record(TrainerCallback):
         if model is None:
             raise UserError("gradrepro.transformers.Record: the Trainer has no model (pass model= or model_init= "
                             "to the Trainer): nothing to record")
+        _check_model(model)
         if self.recorder is not None:  # a second train() on the same callback: a new folder is needed
             raise UserError(f"gradrepro.transformers.Record({str(self.run_dir)!r}) already recorded a train() "
                             "call: give each train() its own Record and run folder")
@@ -167,14 +169,29 @@ class Record(TrainerCallback):
             self.recorder.close(status, error)
 
 
+SUPPORTED = "supported: one process and DDP (torchrun, accelerate launch)"
+
+
 def _check_strategy(args: Any) -> None:
-    """DeepSpeed and FSDP1 own or flatten the gradients the probe reads: refused in one line."""
+    """DeepSpeed owns the gradients and the step, FSDP (either version) shards them: refused in one line.
+    FSDP2 under the Trainer is refused too: Accelerate runs FSDP on GPUs only, so it is untested
+    here (on CPU the Trainer silently runs DDP instead); ``gradrepro.record`` records a loop of
+    your own after ``fully_shard`` (docs/torchrun.md)."""
     if getattr(args, "deepspeed", None):
         raise UserError("gradrepro.transformers.Record does not support DeepSpeed (its engine owns the gradients "
-                        "and the optimizer step); supported: one process, DDP, FSDP2 (fsdp_version=2)")
-    fsdp = getattr(args, "fsdp", None)
-    if fsdp:
+                        f"and the optimizer step); {SUPPORTED}")
+    if getattr(args, "fsdp", None):
         version = int((getattr(args, "fsdp_config", None) or {}).get("fsdp_version", 1) or 1)
-        if version < 2:
-            raise UserError("gradrepro.transformers.Record does not support FSDP1 (flattened parameters); use "
-                            "fsdp_config={'fsdp_version': 2}, or DDP or one process")
+        raise UserError(f"gradrepro.transformers.Record does not support FSDP (fsdp_version={version}) under the "
+                        f"Trainer; {SUPPORTED}; for FSDP2 use gradrepro.record in your own loop after fully_shard")
+
+
+def _check_model(model: Any) -> None:
+    """A model sharded or wrapped by a strategy the arguments did not name (an Accelerate config's
+    FSDP or DeepSpeed, a tensor-parallel plan): its parameters are DTensors or flat shards."""
+    names = {type(m).__name__ for m in model.modules()} | {type(model).__name__}
+    kinds = {type(p).__name__ for p in model.parameters()}
+    found = (names & {"FullyShardedDataParallel", "DeepSpeedEngine"}) or (kinds & {"DTensor", "FlatParameter"})
+    if found:
+        raise UserError(f"gradrepro.transformers.Record does not support a model whose parameters are sharded or "
+                        f"owned by another engine ({', '.join(sorted(found))}); {SUPPORTED}")

@@ -194,13 +194,32 @@ def test_an_unsupported_strategy_or_no_model_is_one_line(tmp_path):
     callback = Record(tmp_path / "r")
     with pytest.raises(UserError, match="does not support DeepSpeed"):
         callback.on_init_end(types.SimpleNamespace(deepspeed="ds.json", fsdp=None), None, None)
-    with pytest.raises(UserError, match="does not support FSDP1"):
-        callback.on_init_end(types.SimpleNamespace(deepspeed=None, fsdp="full_shard", fsdp_config={}), None, None)
+    for config in ({}, {"fsdp_version": 2}):  # FSDP2 too: Accelerate runs FSDP on GPUs only, untested here
+        with pytest.raises(UserError, match=r"does not support FSDP .*supported: one process and DDP"):
+            callback.on_init_end(types.SimpleNamespace(deepspeed=None, fsdp="full_shard", fsdp_config=config),
+                                 None, None)
     args = hf_tiny.trainer_args(tmp_path / "out")
     state = types.SimpleNamespace(max_steps=8, global_step=0)
     with pytest.raises(UserError, match="the Trainer has no model"):
         callback.on_train_begin(args, state, None, model=None, optimizer=None)
     assert not (tmp_path / "r").exists()  # refused before anything is written
+
+
+def test_a_model_sharded_by_fully_shard_is_refused_in_one_line(tmp_path):
+    """FSDP2 set up outside the Trainer's arguments (an Accelerate config): DTensor parameters."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        fully_shard(model)
+        state = types.SimpleNamespace(max_steps=8, global_step=0)
+        with pytest.raises(UserError, match=r"sharded or owned .*\(DTensor\); supported: one process and DDP"):
+            Record(tmp_path / "r").on_train_begin(hf_tiny.trainer_args(tmp_path / "out"), state, None, model=model)
+    finally:
+        dist.destroy_process_group()
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_folder_that_holds_a_run_is_refused_when_the_callback_is_made(tmp_path):
