@@ -5,8 +5,11 @@
 
 The line a Trainer script adds is marked ``# gradrepro``. With two processes and ``--batch 2``
 each optimizer step sees the same global batches as one process with ``--batch 4`` (the
-Trainer's sequential sampler, Accelerate's batch sharding), so the run folders hold the same
-per-module numbers.
+Trainer's sequential sampler, Accelerate's batch sharding). The causal LM's run folders then
+hold the same per-module numbers; the classifier's gradients on two processes are twice those
+on one: its loss is a mean that ignores ``num_items_in_batch``, and the Trainer multiplies each
+process's loss by the number of processes (``average_tokens_across_devices``) before DDP
+averages them. The record shows the gradients the Trainer makes.
 """
 
 from __future__ import annotations

@@ -20,20 +20,24 @@ then divides by the step's item count), their mean otherwise. A run that raises 
 ``train()`` leaves its folder at the last flush with status ``running`` (the Trainer has no
 callback event for an exception).
 
-Findings are also written into the Trainer's log (``on_log``; the callback puts itself first in
-the Trainer's list, ahead of the ``report_to`` integrations), so TensorBoard, W&B, ... send them
-on: ``gradrepro/findings`` (how many warnings and errors so far) and one
-``gradrepro/<kind>/<name>`` per finding, valued at the step it appeared (-1 where it is a summary
-over the steps).
+Findings are also written into the Trainer's log (``on_log``): ``gradrepro/findings`` (how many
+warnings and errors so far) and one ``gradrepro/<kind>/<name>`` per finding, valued at the step it
+appeared (-1 where it is a summary over the steps). The Trainer hands one ``logs`` dict to its
+callbacks in list order and lists the ``report_to`` integrations before the user's callbacks, so
+TensorBoard, W&B, ... send these keys on only from a callback ahead of them:
+``record.put_first(trainer)`` moves the callback to the front of ``trainer.callback_handler``'s
+list (a callback is not handed the Trainer, so it cannot do this itself); where ``report_to``
+names integrations and it was not called, ``train()`` warns once.
 
 Every process records (the statistics of a replicated tensor are of the full, synchronised
 tensor, from every process); rank 0 writes the run folder. DeepSpeed (its engine owns the
-gradients and the step) and FSDP1 (flattened parameters) are refused in one line.
+gradients and the step) and FSDP, either version, are refused in one line: Accelerate runs FSDP
+on GPUs only (on CPU, gloo, the Trainer given ``fsdp`` runs DDP), so it is untested here.
 """
 
 from __future__ import annotations
 
-import sys
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -70,11 +74,28 @@ class Record(TrainerCallback):
         self._losses: list[torch.Tensor] = []
         self._sums = False  # the Trainer passed num_items_in_batch: the micro-batch losses add up
         self._handle: Any = None
+        self._first = False  # put_first was called: the report_to integrations see the findings
 
     # -- set-up: refused in one line, before any step -------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         _check_strategy(args)
-        _go_first(self)
+
+    def put_first(self, trainer: Any) -> "Record":
+        """Move this callback to the front of ``trainer``'s callback list, ahead of the ``report_to``
+        integrations, so that the findings it adds to the Trainer's log are in the ``logs`` they send.
+
+        Args:
+            trainer: the ``transformers.Trainer`` this callback was given to (``callbacks=[...]`` or
+                ``trainer.add_callback``).
+        """
+        callbacks = trainer.callback_handler.callbacks
+        if self not in callbacks:
+            raise UserError("gradrepro.transformers.Record.put_first: this callback is not in the Trainer's "
+                            "callbacks: pass it in Trainer(callbacks=[...]) or trainer.add_callback first")
+        callbacks.remove(self)
+        callbacks.insert(0, self)
+        self._first = True
+        return self
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
@@ -82,6 +103,7 @@ class Record(TrainerCallback):
         if model is None:
             raise UserError("gradrepro.transformers.Record: the Trainer has no model (pass model= or model_init= "
                             "to the Trainer): nothing to record")
+        _check_model(model)
         if self.recorder is not None:  # a second train() on the same callback: a new folder is needed
             raise UserError(f"gradrepro.transformers.Record({str(self.run_dir)!r}) already recorded a train() "
                             "call: give each train() its own Record and run folder")
@@ -92,6 +114,11 @@ class Record(TrainerCallback):
         self.recorder = Recorder(model, inner, self.run_dir, every=self.every,
                                  scaler=getattr(optimizer, "scaler", None), hooks=False, **options)
         self.recorder.step = state.global_step  # a resumed run goes on counting
+        integrations = [name for name in (getattr(args, "report_to", None) or []) if name != "none"]
+        if self.log_findings and integrations and not self._first and getattr(state, "is_world_process_zero", True):
+            warnings.warn(f"gradrepro.transformers.Record: the report_to integrations ({', '.join(integrations)}) "
+                          "run before this callback and will not send its findings: call record.put_first(trainer) "
+                          "after building the Trainer (or pass log_findings=False)", UserWarning, stacklevel=2)
         self._handle = model.register_forward_hook(self._keep_loss, with_kwargs=True)
 
     # -- the step: begin, gradients read after clipping, end -------------------------------------
@@ -142,27 +169,29 @@ class Record(TrainerCallback):
             self.recorder.close(status, error)
 
 
-def _go_first(callback: TrainerCallback) -> None:
-    """Put ``callback`` first in the Trainer's callback list: the Trainer lists the ``report_to``
-    integrations before the user's callbacks and hands every one the same ``logs`` dict in turn,
-    so only a callback ahead of them adds keys they send on. The list is the calling
-    ``CallbackHandler``'s (callbacks are not handed the Trainer); where it is not found (another
-    caller), the findings still reach the callbacks after this one."""
-    handler = sys._getframe(2).f_locals.get("self")  # on_init_end <- CallbackHandler.call_event
-    callbacks = getattr(handler, "callbacks", None)
-    if isinstance(callbacks, list) and callback in callbacks:
-        callbacks.remove(callback)  # call_event's loop goes on at the next one: the items after it keep their places
-        callbacks.insert(0, callback)
+SUPPORTED = "supported: one process and DDP (torchrun, accelerate launch)"
 
 
 def _check_strategy(args: Any) -> None:
-    """DeepSpeed and FSDP1 own or flatten the gradients the probe reads: refused in one line."""
+    """DeepSpeed owns the gradients and the step, FSDP (either version) shards them: refused in one line.
+    FSDP2 under the Trainer is refused too: Accelerate runs FSDP on GPUs only, so it is untested
+    here (on CPU the Trainer silently runs DDP instead); ``gradrepro.record`` records a loop of
+    your own after ``fully_shard`` (docs/torchrun.md)."""
     if getattr(args, "deepspeed", None):
         raise UserError("gradrepro.transformers.Record does not support DeepSpeed (its engine owns the gradients "
-                        "and the optimizer step); supported: one process, DDP, FSDP2 (fsdp_version=2)")
-    fsdp = getattr(args, "fsdp", None)
-    if fsdp:
+                        f"and the optimizer step); {SUPPORTED}")
+    if getattr(args, "fsdp", None):
         version = int((getattr(args, "fsdp_config", None) or {}).get("fsdp_version", 1) or 1)
-        if version < 2:
-            raise UserError("gradrepro.transformers.Record does not support FSDP1 (flattened parameters); use "
-                            "fsdp_config={'fsdp_version': 2}, or DDP or one process")
+        raise UserError(f"gradrepro.transformers.Record does not support FSDP (fsdp_version={version}) under the "
+                        f"Trainer; {SUPPORTED}; for FSDP2 use gradrepro.record in your own loop after fully_shard")
+
+
+def _check_model(model: Any) -> None:
+    """A model sharded or wrapped by a strategy the arguments did not name (an Accelerate config's
+    FSDP or DeepSpeed, a tensor-parallel plan): its parameters are DTensors or flat shards."""
+    names = {type(m).__name__ for m in model.modules()} | {type(model).__name__}
+    kinds = {type(p).__name__ for p in model.parameters()}
+    found = (names & {"FullyShardedDataParallel", "DeepSpeedEngine"}) or (kinds & {"DTensor", "FlatParameter"})
+    if found:
+        raise UserError(f"gradrepro.transformers.Record does not support a model whose parameters are sharded or "
+                        f"owned by another engine ({', '.join(sorted(found))}); {SUPPORTED}")

@@ -72,19 +72,28 @@ def adamw_and_schedule(model: torch.nn.Module, total: int) -> tuple:
 
 def plain_loop(kind: str, run_dir: Path | str, steps: int = 8, batch: int = 4, accumulate: int = 2,
                max_grad_norm: float = 1.0, schedule_total: Optional[int] = None,
-               model_fn: Callable[[str], torch.nn.Module] = build) -> Any:
+               model_fn: Callable[[str], torch.nn.Module] = build, dataset: Any = None) -> Any:
     """The Trainer's loop, written out, under ``gradrepro.record``: sequential micro-batches,
     ``num_items_in_batch`` (the labels counted over the step's micro-batches, shifted by one where
     the Trainer knows the model's loss shifts them: ``loss_type``) passed to the model, so the
     micro-batch losses add up to the step's loss; the gradients clipped to ``max_grad_norm``; the
-    schedule stepped after the optimizer; the gradients set to None."""
+    schedule stepped after the optimizer; the gradients set to None. ``dataset``: ``Tokens(kind)``
+    unless given.
+
+    The Trainer on P processes with A micro-batches of B per process is this loop with
+    ``accumulate=P*A``, ``batch=B``: the item count is summed over the processes
+    (``average_tokens_across_devices``), each process's loss is multiplied by P where the model
+    takes loss kwargs, and DDP averages the gradients over the P processes, so the P*A micro-batch
+    losses add up (a model that ignores ``num_items_in_batch`` and returns a mean then gets P times
+    the gradient it gets on one process)."""
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
     model = model_fn(kind)
     model.train()
     shifts = LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss
     opt, sched = adamw_and_schedule(model, schedule_total or steps)
-    loader = itertools.cycle(torch.utils.data.DataLoader(Tokens(kind), batch_size=batch))
+    data = Tokens(kind) if dataset is None else dataset
+    loader = itertools.cycle(torch.utils.data.DataLoader(data, batch_size=batch))
     with gradrepro.record(model, opt, run_dir, every=1, steps=steps) as rec:
         for _ in range(steps):
             micro = [next(loader) for _ in range(accumulate)]
@@ -101,4 +110,29 @@ def plain_loop(kind: str, run_dir: Path | str, steps: int = 8, batch: int = 4, a
             sched.step()
             model.zero_grad()
             rec.log(loss=total)
+    return rec
+
+
+def mean_loop(kind: str, run_dir: Path | str, steps: int = 8, batch: int = 4, accumulate: int = 2,
+              model_fn: Callable[[str], torch.nn.Module] = build, dataset: Any = None) -> Any:
+    """The Accelerate example's loop in plain torch under ``gradrepro.record``: each micro-batch's
+    mean loss divided by ``accumulate`` (``accelerator.backward``), the gradients clipped to 1 after
+    the last backward, AdamW with weight decay 0.1, a linear schedule over ``steps``. On P
+    processes with micro-batches of B the example is this loop with micro-batches of P*B: DDP
+    averages the P means of equal-sized halves."""
+    from transformers import get_linear_schedule_with_warmup
+
+    model = model_fn(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    sched = get_linear_schedule_with_warmup(opt, 0, steps)
+    data = Tokens(kind) if dataset is None else dataset
+    micro = itertools.cycle(torch.utils.data.DataLoader(data, batch_size=batch))
+    with gradrepro.record(model, opt, run_dir, every=1, steps=steps) as rec:
+        for _ in range(steps):
+            for _ in range(accumulate):
+                (model(**next(micro)).loss / accumulate).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
     return rec

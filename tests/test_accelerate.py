@@ -5,7 +5,6 @@ plain torch, no warning on a healthy run, and each injected bug's finding at the
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import sys
 import warnings
 
@@ -18,7 +17,7 @@ from conftest import ROOT
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-import gradrepro  # noqa: E402
+import hf_tiny  # noqa: E402
 
 torch.set_num_threads(1)
 _spec = importlib.util.spec_from_file_location("accelerate_loop", ROOT / "examples" / "accelerate_loop.py")
@@ -41,29 +40,11 @@ def run_example(tmp_path, monkeypatch, *args):
     return [str(w.message) for w in caught if type(w.message).__name__ == "TrainingFinding"]
 
 
-def plain(kind, run_dir, steps=8, batch=4, accumulate=2):
-    """The example's loop without Accelerate: loss / accumulate, clip after the last backward."""
-    from transformers import get_linear_schedule_with_warmup
-
-    model = example.build(kind)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    sched = get_linear_schedule_with_warmup(opt, 0, steps)
-    micro = itertools.cycle(torch.utils.data.DataLoader(example.batches(kind), batch_size=batch))
-    with gradrepro.record(model, opt, run_dir, every=1, steps=steps):
-        for _ in range(steps):
-            for _ in range(accumulate):
-                (model(**next(micro)).loss / accumulate).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-
-
 @pytest.mark.parametrize("kind", ["causal_lm", "classifier"])
 def test_accelerate_loop_records_what_the_plain_loop_records_and_warns_of_nothing(kind, tmp_path, monkeypatch):
     found = run_example(tmp_path, monkeypatch, "--model", kind)
     assert not found, found
-    plain(kind, tmp_path / "plain")
+    hf_tiny.mean_loop(kind, tmp_path / "plain", model_fn=example.build, dataset=example.batches(kind))
     ours, theirs = (pd.read_parquet(tmp_path / n / "modules.parquet") for n in ("acc", "plain"))
     assert list(ours["step"]) == list(theirs["step"]) and ours["step"].nunique() == 8
     np.testing.assert_allclose(ours["grad_norm"], theirs["grad_norm"], rtol=1e-5, atol=1e-8)

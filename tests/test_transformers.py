@@ -50,6 +50,7 @@ def train(kind, run_dir, tmp_path, steps=8, callbacks=(), optimizers=(None, None
                       train_dataset=hf_tiny.Tokens(kind), callbacks=[integration, callback, *callbacks],
                       optimizers=optimizers)
     trainer.integration = integration
+    callback.put_first(trainer)  # ahead of the integration, as of the report_to ones
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train()
@@ -106,6 +107,7 @@ def test_a_schedule_that_reaches_zero_is_found_at_the_step_it_does(kind, tmp_pat
     callback, integration = Record(tmp_path / "lr0", every=1), Integration()
     trainer = Trainer(model=model, args=hf_tiny.trainer_args(tmp_path / "out"), train_dataset=hf_tiny.Tokens(kind),
                       callbacks=[integration, callback], optimizers=(opt, sched))
+    callback.put_first(trainer)
     with pytest.warns(UserWarning, match="step 4: lr_zero"):
         trainer.train()
     found = [f for f in serious(callback) if f.kind == "lr_zero"]
@@ -113,6 +115,45 @@ def test_a_schedule_that_reaches_zero_is_found_at_the_step_it_does(kind, tmp_pat
     # in the Trainer's log from the first log after step 4 (logging_steps=2: the log at global step 6)
     named = [[k for k, v in h.items() if k.startswith("gradrepro/lr_zero/") and v == 4] for h in integration.logs]
     assert not any(named[:2]) and all(named[2:]) and integration.logs[2]["gradrepro/findings"] >= 1
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_findings_reach_a_report_to_integration_when_the_callback_is_put_first(first, tmp_path):
+    """TensorBoard through ``report_to``: the Trainer lists it before the user's callbacks, so the
+    findings' keys are in its event file after ``put_first`` and absent (with a warning) without."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model = hf_tiny.build("classifier")
+    opt, sched = hf_tiny.adamw_and_schedule(model, total=4)  # lr 0 from step 4 of 8
+    args = hf_tiny.trainer_args(tmp_path / "out")
+    args.report_to = ["tensorboard"]
+    callback = Record(tmp_path / "run", every=1)
+    trainer = Trainer(model=model, args=args, train_dataset=hf_tiny.Tokens("classifier"), callbacks=[callback],
+                      optimizers=(opt, sched))
+    if first:
+        callback.put_first(trainer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    told = [str(w.message) for w in caught if "put_first" in str(w.message)]
+    assert bool(told) is not first, told
+    (events,) = {p.parent for p in (tmp_path / "out").rglob("events.out.tfevents*")}
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert any(t.endswith("loss") for t in tags)  # the integration wrote the Trainer's log
+    lr_zero = [t for t in tags if t.startswith("train/gradrepro/lr_zero/")]  # TensorBoard adds "train/"
+    assert bool(lr_zero) is first and ("train/gradrepro/findings" in tags) is first, tags
+    for tag in lr_zero:
+        assert {e.value for e in acc.Scalars(tag)} == {4.0}  # the step the rate reached 0
+
+
+def test_put_first_on_a_trainer_without_the_callback_is_one_line(tmp_path):
+    trainer = Trainer(model=hf_tiny.build("classifier"), args=hf_tiny.trainer_args(tmp_path / "out"),
+                      train_dataset=hf_tiny.Tokens("classifier"))
+    with pytest.raises(UserError, match="not in the Trainer's callbacks"):
+        Record(tmp_path / "r").put_first(trainer)
 
 
 class FreezeAt(TrainerCallback):
@@ -153,13 +194,32 @@ def test_an_unsupported_strategy_or_no_model_is_one_line(tmp_path):
     callback = Record(tmp_path / "r")
     with pytest.raises(UserError, match="does not support DeepSpeed"):
         callback.on_init_end(types.SimpleNamespace(deepspeed="ds.json", fsdp=None), None, None)
-    with pytest.raises(UserError, match="does not support FSDP1"):
-        callback.on_init_end(types.SimpleNamespace(deepspeed=None, fsdp="full_shard", fsdp_config={}), None, None)
+    for config in ({}, {"fsdp_version": 2}):  # FSDP2 too: Accelerate runs FSDP on GPUs only, untested here
+        with pytest.raises(UserError, match=r"does not support FSDP .*supported: one process and DDP"):
+            callback.on_init_end(types.SimpleNamespace(deepspeed=None, fsdp="full_shard", fsdp_config=config),
+                                 None, None)
     args = hf_tiny.trainer_args(tmp_path / "out")
     state = types.SimpleNamespace(max_steps=8, global_step=0)
     with pytest.raises(UserError, match="the Trainer has no model"):
         callback.on_train_begin(args, state, None, model=None, optimizer=None)
     assert not (tmp_path / "r").exists()  # refused before anything is written
+
+
+def test_a_model_sharded_by_fully_shard_is_refused_in_one_line(tmp_path):
+    """FSDP2 set up outside the Trainer's arguments (an Accelerate config): DTensor parameters."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        fully_shard(model)
+        state = types.SimpleNamespace(max_steps=8, global_step=0)
+        with pytest.raises(UserError, match=r"sharded or owned .*\(DTensor\); supported: one process and DDP"):
+            Record(tmp_path / "r").on_train_begin(hf_tiny.trainer_args(tmp_path / "out"), state, None, model=model)
+    finally:
+        dist.destroy_process_group()
+    assert not (tmp_path / "r").exists()
 
 
 def test_a_folder_that_holds_a_run_is_refused_when_the_callback_is_made(tmp_path):

@@ -61,6 +61,12 @@ def findings_over_steps(modules: pd.DataFrame, frozen: Collection[str] = (),
     df = modules.assign(name=parameter_names(modules)).sort_values("step", kind="stable")
     stepped = df["grad_state"].isin(["finite", "tiny"])
     df["state_or_update"] = np.where(stepped & (df["update_to_param"] == 0), "not_updated", df["grad_state"])
+    # Only a parameter with a state of _STATES at some step (or frozen, or outside the optimizer)
+    # has a finding: the per-parameter pass below runs over those alone (all their rows, so the
+    # parameters keep the order of their first logged step); a healthy model's are few.
+    hit = df["grad_state"].isin([state for _, state, _ in _STATES]) | (df["state_or_update"] == "not_updated")
+    named = set(df.loc[hit, "name"]) | (set(frozen) | set(outside_optimizer))
+    df = df[df["name"].isin(named)]
     findings = []
     for name, rows in df.groupby("name", sort=False):
         steps = rows["step"].to_numpy()
