@@ -89,3 +89,10 @@ def test_every_numeric_key_at_every_edge_is_accepted_or_refused_in_one_line():
             if outcome(experiment, key, value) == "accepted":
                 accepted.append(f"{key}={value}")
     assert not [a for a in accepted if a.split("=", 1)[1] in ("nan", "inf", "-inf")], accepted
+
+
+def test_a_huge_accumulation_is_refused_at_once_with_a_divisor_of_the_batch():
+    """The suggestion names the largest divisor of the batch below the value asked for: it is
+    searched among the batch's divisors, not among every number up to a value like 1e30."""
+    line = outcome("accum_full_batch", "train.accumulate", "9" * 30)
+    assert "train.accumulate" in line and "must divide data.batch_size" in line

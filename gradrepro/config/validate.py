@@ -155,7 +155,7 @@ def _check_accumulation(cfg: Any) -> None:
     if batch % accumulate:
         raise UserError(f"train.accumulate={accumulate} must divide data.batch_size={batch}: the batch is split "
                         f"into equal micro-batches (e.g. train.accumulate="
-                        f"{max(d for d in range(1, accumulate + 1) if batch % d == 0)})")
+                        f"{max(d for d in range(1, min(accumulate, batch) + 1) if batch % d == 0)})")
     _choice("train.accumulate_norm", cfg.train.accumulate_norm, ACCUMULATE_NORMS)
 
 
