@@ -57,6 +57,7 @@ from gradrepro.diagnose.inputs import (
     DiagnoseTypeError,
     DiagnoseValueError,
     check_inputs,
+    check_optimizer_of,
     check_options,
     materialize_lazy,
 )
@@ -93,6 +94,7 @@ def diagnose(
     check_options(step, tiny_factor, stale_factor, fp16_fraction, rtol, probe_paths)
     lazy = materialize_lazy(model, closure)
     rows, unregistered, nonleaf = parameter_rows(model, optimizer)
+    check_optimizer_of(model, optimizer, {id(r.tensor) for r in rows if r.module != "<optimizer only>"})
     tr = run_transition(model, optimizer, closure, rows, nonleaf, step, tiny_factor, rtol, probe_paths)
     if lazy:
         tr.notes.append(f"lazy module(s) {', '.join(lazy)} were initialised by one dry run of the closure "
