@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -58,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
             out = zoo.run(entry)
         seconds = time.perf_counter() - start
         rows.append({"model": name, "half": zoo.half(name), "flagged": out.flagged, "kinds": out.kinds,
-                     "crash": out.crash, "unfit": out.unfit, "seconds": round(seconds, 2)})
+                     "crash": out.crash, "unfit": out.unfit, "seconds": round(seconds, 2),
+                     "load": os.getloadavg()[0]})
+        if args.json:  # after every model, so that a run stopped part-way keeps what it measured
+            write(args, rows)
         status = "UNFIT " + out.unfit if out.unfit else ("CRASH " + out.crash.splitlines()[0] if out.crash else
                                                          (", ".join(out.kinds) or "clean"))
         print(f"{name:45s} {seconds:6.1f}s  {status}", flush=True)
@@ -70,9 +74,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(flagged)} ({100 * len(flagged) / max(len(judged), 1):.1f}%); crashed: {len(crashed)}")
     for kind, n in kinds.most_common():
         print(f"  {kind}: {n} models")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"heldout": args.heldout, "half": args.half, "rows": rows}, indent=1))
     return 0
+
+
+def write(args: argparse.Namespace, rows: list[dict]) -> None:
+    path = Path(args.json)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps({"heldout": args.heldout, "half": args.half, "rows": rows}, indent=1))
+    tmp.replace(path)
 
 
 if __name__ == "__main__":

@@ -190,10 +190,13 @@ def test_not_in_optimizer_with_param_groups_by_identity():
                            {"params": [net.head.weight, net.head.bias], "lr": 0.01}])
     report = diagnose(net, opt, loss_of(net))
     assert {(f.kind, f.name) for f in report.flagged()} == {("not_in_optimizer", "encoder.bias")}
-    # A same-shaped copy is not membership: identity, not name or value.
-    opt2 = torch.optim.SGD([p.detach().clone().requires_grad_() for p in net.parameters()], lr=0.1)
+    # A same-shaped copy is not membership: identity, not name or value. One copied tensor among
+    # the model's own is a partial mismatch, named per tensor (all copies: tests/test_diagnose_inputs.py).
+    copied = net.encoder.weight.detach().clone().requires_grad_()
+    opt2 = torch.optim.SGD([copied, net.encoder.bias, net.head.weight, net.head.bias], lr=0.1)
     report2 = diagnose(net, opt2, loss_of(net))
-    assert {f.kind for f in report2.flagged()} == {"not_in_optimizer", "stale_optimizer_param"}
+    assert {(f.kind, f.name) for f in report2.flagged()} == {("not_in_optimizer", "encoder.weight"),
+                                                             ("stale_optimizer_param", "param_groups.0.params.0")}
 
 
 def test_frozen_is_information_and_frozen_in_optimizer_is_named():

@@ -1,6 +1,7 @@
 """Misuse of ``diagnose`` and ``check_derivative`` is one DiagnoseError line, never a raw
 error from deep inside: a meta-device model, a closure that takes arguments, options that are
-not numbers or not in range (eps=nan, n_entries=0, tiny_factor='big'). Then generated option
+not numbers or not in range (eps=nan, n_entries=0, tiny_factor='big'), an optimizer over
+another model. Then generated option
 values: each call either works or says what is wrong in one line."""
 
 from __future__ import annotations
@@ -53,6 +54,21 @@ def test_a_closure_that_takes_arguments_is_refused():
     assert "no arguments" in message and "x, y" in message
     one_line_error(lambda: check_derivative(needs_batch, model[0].weight))
     diagnose(model, optimizer, lambda x=X, y=Y: F.cross_entropy(model(x), y))  # defaults are fine
+
+
+def test_an_optimizer_over_another_model_is_one_line():
+    model, _, closure = setup()
+    other = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    for optimizer in (torch.optim.SGD(other.parameters(), lr=0.1),  # another model's
+                      torch.optim.Adam([p.detach().clone().requires_grad_() for p in model.parameters()])):  # copies
+        message = one_line_error(lambda opt=optimizer: diagnose(model, opt, closure))
+        assert "none is a parameter of this Sequential" in message and "model.parameters()" in message
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # refused before anything ran
+    assert all(p.grad is None for p in model.parameters())
+    # One tensor in common is a partial mismatch: a report, not a refusal.
+    partial = torch.optim.SGD([*other.parameters(), model[0].weight], lr=0.1)
+    assert not diagnose(model, partial, closure).ok
 
 
 @pytest.mark.parametrize("options,fragment", [

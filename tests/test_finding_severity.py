@@ -166,3 +166,78 @@ def _lr_zero_findings(tmp_path, groups_at_zero):
 def test_live_lr_zero_in_one_group_is_information_and_in_every_group_a_warning(tmp_path):
     assert _lr_zero_findings(tmp_path, [0]) == {("0.weight", "info")}
     assert {s for _, s in _lr_zero_findings(tmp_path, [0, 1])} == {"warning"}
+
+
+class TwoLevelHead(nn.Module):
+    """A detector's regression head at two levels, its loss read at the anchors a box matched
+    (an index computed from the data, as torchvision's SSD and RetinaNet losses do)."""
+
+    def __init__(self, broken=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.level_a, self.level_b = nn.Linear(6, 8), nn.Linear(8, 4), nn.Linear(8, 4)
+        self.broken = broken
+
+    def forward(self, x, matched):  # matched: B x 8 anchors (4 per level), True where a box matched
+        h = torch.tanh(self.trunk(x))
+        b = self.level_b(h) * (0.0 if self.broken else 1.0)  # broken: a zero made before the selection
+        boxes = torch.cat([self.level_a(h), b], 1)  # B x 8
+        return (boxes[matched] - 1.0).pow(2).mean()
+
+
+def test_a_level_no_anchor_matched_is_information_and_a_zero_made_before_the_selection_is_not():
+    matched = torch.zeros(16, 8, dtype=torch.bool)
+    matched[:, 0] = True  # on this batch only level a's first anchor matched
+    model = TwoLevelHead()
+    report = diagnose(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda: model(X, matched))
+    zero = {f.name: f for f in report.findings if f.kind == "zero_gradient"}
+    assert set(zero) == {"level_b.weight", "level_b.bias"} and not report.flagged(), str(report)
+    assert all(f.severity == "info" and "x[idx] or x[mask]" in f.detail for f in zero.values())
+    matched[:, 6] = True  # a batch that matches level b too: no zero at all
+    assert not [f for f in diagnose(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    lambda: model(X, matched)).findings if f.kind == "zero_gradient"]
+    broken = TwoLevelHead(broken=True)  # level b matched, but its output multiplied by 0 before the index
+    report = diagnose(broken, torch.optim.SGD(broken.parameters(), lr=0.1), lambda: broken(X, matched))
+    assert {(f.kind, f.name, f.severity) for f in report.flagged()} == {
+        ("zero_gradient", "level_b.weight", "warning"), ("zero_gradient", "level_b.bias", "warning")}, str(report)
+
+
+class GainBeforeNorm(nn.Module):
+    """A batch-norm gain whose output a ReLU, a per-feature scale and a second (train-mode)
+    normalisation follow, as in timm's LCNetV2 (pointwise conv, BN, ReLU; the next block's
+    depthwise conv and BN): the second normalisation cancels most of what the gain does."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.bn, self.head = nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+        self.register_buffer("scale", torch.rand(8, generator=torch.Generator().manual_seed(0)) + 0.5)
+        self.norm = nn.BatchNorm1d(8, affine=False)
+        with torch.no_grad():
+            self.bn.bias.fill_(1e-3)  # a shift a few steps have moved off zero
+
+    def forward(self, x):
+        return self.head(self.norm(torch.relu(self.bn(self.inp(x))) * self.scale))
+
+
+class Attenuated(nn.Module):
+    """A vanishing gradient: everything before the 1e-5 factor is attenuated."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.mid, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(torch.tanh(self.inp(x)) * 1e-5)))
+
+
+def test_a_tiny_gain_with_an_ordinary_gradient_behind_it_is_information_and_a_vanishing_one_a_warning():
+    model = GainBeforeNorm()
+    report = diagnose(model, torch.optim.SGD(model.parameters(), lr=0.1), ce(model))
+    tiny = {f.name: f for f in report.findings if f.kind == "tiny_gradient"}
+    assert "bn.weight" in tiny and not report.flagged(), str(report)
+    assert tiny["bn.weight"].severity == "info" and "inp.weight" in tiny["bn.weight"].detail
+    vanishing = Attenuated()
+    report = diagnose(vanishing, torch.optim.SGD(vanishing.parameters(), lr=0.1), ce(vanishing))
+    assert {f.name for f in report.flagged() if f.kind == "tiny_gradient"} >= {"inp.weight", "mid.weight"}, str(report)

@@ -48,6 +48,9 @@ class Entry:
     data: Callable[[torch.Generator, int, int], Any]  # (generator, batch size, input size) -> batch
     loss: Callable[[nn.Module, Any], torch.Tensor]
     size: int = SIZE  # the input size it fits at (images: pixels; text: tokens)
+    # For a model built for one input size (a transformer's fixed patch grid): the model built
+    # for another size, which run(size=...) uses when the size is not ``size``.
+    build_at: Optional[Callable[[int], nn.Module]] = None
 
 
 @dataclass
@@ -203,7 +206,8 @@ def _timm(name: str, size: int) -> nn.Module:
 
 
 def timm_families() -> list[Entry]:
-    return [Entry(f"timm/{n}", lambda n=n: _timm(n, 64), images, classify, 64) for n in TIMM]
+    return [Entry(f"timm/{n}", lambda n=n: _timm(n, 64), images, classify, 64, lambda size, n=n: _timm(n, size))
+            for n in TIMM]
 
 
 # -- Hugging Face transformers from tiny configs ---------------------------------------------------
@@ -292,15 +296,21 @@ def huggingface() -> list[Entry]:
         "convnext": _hf("ConvNextForImageClassification", "ConvNextConfig", hidden_sizes=[8, 16], depths=[1, 1],
                         num_labels=CLASSES),
     }
-    clip = _hf("CLIPModel", "CLIPConfig", projection_dim=16,
-               text_config={**_TEXT, "max_position_embeddings": 16},
-               vision_config={k: v for k, v in vit.items() if k != "num_labels"})
-    whisper = _hf("WhisperForConditionalGeneration", "WhisperConfig", **seq2seq, num_mel_bins=16,
-                  max_source_positions=16, max_target_positions=32, decoder_start_token_id=1, pad_token_id=0)
+    def clip(size: int = SIZE) -> nn.Module:
+        return _hf("CLIPModel", "CLIPConfig", projection_dim=16, text_config={**_TEXT, "max_position_embeddings": 16},
+                   vision_config={**{k: v for k, v in vit.items() if k != "num_labels"}, "image_size": size})()
+
+    def whisper(size: int = 32) -> nn.Module:  # size: mel frames, twice the encoder's positions
+        return _hf("WhisperForConditionalGeneration", "WhisperConfig", **seq2seq, num_mel_bins=16,
+                   max_source_positions=size // 2, max_target_positions=32, decoder_start_token_id=1,
+                   pad_token_id=0)()
+
+    sized = {"vit": lambda size: _hf("ViTForImageClassification", "ViTConfig", **{**vit, "image_size": size})()}
     return ([Entry(f"hf/{n}", b, tokens, hf_loss, SEQ) for n, b in causal.items()]
             + [Entry(f"hf/{n}", b, sequence_labels, hf_loss, SEQ) for n, b in classify_text.items()]
-            + [Entry(f"hf/{n}", b, vision_labels, hf_loss, SIZE) for n, b in vision.items()]
-            + [Entry("hf/clip", clip, image_text, hf_loss, SIZE), Entry("hf/whisper", whisper, audio, hf_loss, 32)])
+            + [Entry(f"hf/{n}", b, vision_labels, hf_loss, SIZE, sized.get(n)) for n, b in vision.items()]
+            + [Entry("hf/clip", clip, image_text, hf_loss, SIZE, clip),
+               Entry("hf/whisper", whisper, audio, hf_loss, 32, whisper)])
 
 
 def entries() -> dict[str, Entry]:
@@ -324,7 +334,7 @@ def _train(entry: Entry, optimizer: str, steps: int, batch: int, size: int, seed
     losses."""
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed)
-    model = entry.build().train()
+    model = (entry.build_at(size) if entry.build_at is not None and size != entry.size else entry.build()).train()
     opt = OPTIMIZERS[optimizer](model.parameters())
     rec = (gradrepro.record(model, opt, record_to, every=1, on_finding="log", steps=steps)
            if record_to else None)

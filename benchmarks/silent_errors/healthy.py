@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
+from queue import Empty
 
 import torch
 import torch.multiprocessing as mp
@@ -152,14 +154,16 @@ def _ddp_worker(rank: int, world: int, init: str, queue) -> None:
         model = torch.nn.parallel.DistributedDataParallel(mlp(dropout=0.1))
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         recording = Recording()
-        record_ = recording(model, opt) if rank == 0 else None
+        # Every process creates its recorder, as gradrepro.record asks under torch.distributed (the
+        # first logged step waits for all of them; rank 0 writes the folder). A recorder on rank 0
+        # alone waits out its timeout and names rank 1 as missing.
+        record_ = recording(model, opt)
         for _ in range(STEPS // 2):
             x, y = batch(16)
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
-        if rank == 0:
-            queue.put([f.row() for f in record_.watch.found])
+        queue.put((rank, [f.row() for f in record_.watch.found]))
         recording.close()
     finally:
         torch.distributed.destroy_process_group()
@@ -167,25 +171,39 @@ def _ddp_worker(rank: int, world: int, init: str, queue) -> None:
 
 @healthy
 def ddp_two_processes(_, record):
-    """An MLP under DistributedDataParallel, 2 gloo processes on CPU; rank 0 records."""
+    """An MLP under DistributedDataParallel, 2 gloo processes on CPU; each records, rank 0 writes."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{os.path.join(tmp, 'rendezvous')}"
         procs = [ctx.Process(target=_ddp_worker, args=(r, 2, init, queue)) for r in range(2)]
+        rows: dict = {}
         try:
             for p in procs:
                 p.start()
-            # Two spawned interpreters importing torch: minutes on a loaded 2-core machine.
-            rows = queue.get(timeout=600)
+            # Two spawned interpreters importing torch: minutes on a loaded 2-core machine. Wait
+            # while both live; a process that ended without its findings is a failure at once.
+            deadline = time.monotonic() + 600
+            while len(rows) < len(procs) and time.monotonic() < deadline:
+                try:
+                    rank, found = queue.get(timeout=5)
+                    rows[rank] = found
+                except Empty:
+                    dead = [r for r, p in enumerate(procs) if r not in rows and p.exitcode not in (None, 0)]
+                    if dead:
+                        raise AssertionError(f"DDP rank(s) {dead} exited with code(s) "
+                                             f"{[procs[r].exitcode for r in dead]} before reporting") from None
+            if len(rows) < len(procs):
+                raise AssertionError(f"DDP ranks {sorted(set(range(len(procs))) - set(rows))} did not report in 600 s")
         finally:
             for p in procs:
                 p.join(timeout=30)
                 if p.is_alive():
                     p.kill()
                     p.join()
-    if rows:
-        raise AssertionError(f"findings on the healthy DDP model: {rows}")
+    found = [row for rank in sorted(rows) for row in rows[rank]]
+    if found:
+        raise AssertionError(f"findings on the healthy DDP model: {found}")
     return -1
 
 

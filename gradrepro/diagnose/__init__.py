@@ -17,13 +17,17 @@ differences).
    (eval mode, no gradients), as PyTorch asks before training;
 1. registration (``named_parameters``, plus a scan of plain attributes, lists, tuples and dicts
    for modules and requires-grad tensors that are not registered, and for non-leaf copies
-   whose graph leads to a leaf nothing holds) and optimizer membership, both by identity;
+   whose graph leads to a leaf nothing holds) and optimizer membership, both by identity; an
+   optimizer that holds none of the model's tensors (built over another model) is refused in
+   one line;
 2. gradients already present (a missing ``zero_grad`` boundary), then the parameters (and
    buffers) are snapshotted and every ``.grad`` cleared;
 3. a fresh loss from ``closure()``, ``backward()``, every gradient of the loss classified with
    the probe's own rule (``gradrepro.probe.states``: none / zero / tiny / finite / nonfinite);
    zero and missing gradients are traced to known causes (``causes``: a zero-initialised
-   weight downstream, a non-differentiable operation, an unused output);
+   weight downstream, a non-differentiable operation, an unused output, a selection by index
+   that took none of a tensor's entries on this batch), and tiny ones told from a vanishing
+   gradient by the tensors behind their operation;
 4. one ``optimizer.step()`` (unless ``step=False``); the gradient the optimizer used is
    compared with the loss's (``used_gradient``: scaled, zeroed, sign-flipped, ...), and every
    parameter's actual change with the change the optimizer's rule predicts from the gradient
@@ -37,10 +41,11 @@ put back as it was before the call (``None`` stays ``None``; a stale gradient st
 report does not hide it), registered buffers (batch-norm statistics) are restored, and the
 train/eval mode is untouched. The closure may be called a few more times with a fixed random
 seed (``probe_paths``): to test whether the loss depends on a parameter that received no
-gradient, to find what cuts a missing or zero gradient's path, and to test a zero-initialised
-weight as its cause; those calls are undone too. Lazy modules stay initialised (by one dry run,
-as their first training step would), and a forward pass that rewrites a parameter in place
-(``nn.Embedding(max_norm=...)``) does so as it would in training.
+gradient, to find what cuts a missing or zero gradient's path, to test a zero-initialised
+weight or a selection as its cause, and to read the graph behind a tiny gradient; those calls
+are undone too. Lazy modules stay initialised (by one dry run, as their first training step
+would), and a forward pass that rewrites a parameter in place (``nn.Embedding(max_norm=...)``)
+does so as it would in training.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from gradrepro.diagnose.inputs import (
     DiagnoseTypeError,
     DiagnoseValueError,
     check_inputs,
+    check_optimizer_of,
     check_options,
     materialize_lazy,
 )
@@ -93,6 +99,7 @@ def diagnose(
     check_options(step, tiny_factor, stale_factor, fp16_fraction, rtol, probe_paths)
     lazy = materialize_lazy(model, closure)
     rows, unregistered, nonleaf = parameter_rows(model, optimizer)
+    check_optimizer_of(model, optimizer, {id(r.tensor) for r in rows if r.module != "<optimizer only>"})
     tr = run_transition(model, optimizer, closure, rows, nonleaf, step, tiny_factor, rtol, probe_paths)
     if lazy:
         tr.notes.append(f"lazy module(s) {', '.join(lazy)} were initialised by one dry run of the closure "

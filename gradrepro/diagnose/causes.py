@@ -15,7 +15,16 @@ itself rather than guessed from names:
   line of the user's code that called it; the tensors upstream of it are found by walking
   the autograd graph (``graph.leaves_of``).
 
-And for a tensor with no gradient at all, whether the loss depends on it (``loss_depends``:
+- **a selection that took none of its entries on this batch**: the loss reads the tensor's
+  output only through entries chosen by an index or a mask computed at run time (the anchors a
+  box matched, the positive locations of a detector). Checked by counterfactual: with every
+  selection passing a gradient to all of its input's entries (where any gradient reaches it),
+  the tensor's gradient is not zero. One more backward pass.
+
+And for a tiny gradient, whether the gradient reaching the operation the tensor enters is
+attenuated (a vanishing gradient attenuates every tensor behind that operation too) or not
+(``ordinary_behind``: the tensor's small gradient is its own role there). And for a tensor
+with no gradient at all, whether the loss depends on it (``loss_depends``:
 nudged, does the loss move?), which tells a severed path from an unused one.
 """
 
@@ -29,7 +38,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from gradrepro.diagnose.graph import call_site, leaves_of, wide
+from gradrepro.diagnose.graph import call_site, leaves_behind_inputs, leaves_of, nodes_of, wide
 
 # torch.round/floor/ceil/trunc/sign are step functions: autograd defines their derivative as 0.
 ZERO_DERIVATIVE = frozenset({"round", "round_", "floor", "floor_", "ceil", "ceil_", "trunc", "trunc_", "fix",
@@ -233,3 +242,66 @@ def drawn_zeros(closure: Callable[[], Any], tensors: list[torch.Tensor], which: 
             grads = torch.autograd.grad(loss, [tensors[i] for i in left], allow_unused=True)
         found |= {i for i, g in zip(left, grads) if g is not None and bool(g.any())}
     return found
+
+
+# Backward nodes of the operations that read some entries of a tensor, chosen by an index or a
+# mask (x[idx], x[mask], gather, index_select, masked_select, take): the entries they leave
+# out get a zero gradient.
+SELECTIONS = {"IndexBackward": "indexing by a tensor (x[idx] or x[mask])", "IndexSelectBackward": "index_select",
+              "GatherBackward": "gather", "MaskedSelectBackward": "masked_select", "TakeBackward": "take"}
+
+
+def _select_all(grad_inputs: tuple, grad_outputs: tuple) -> tuple | None:
+    """A selection's backward as if it had selected every entry: ones for its input wherever a
+    non-zero gradient reaches it (none where nothing does: a zero made after it stays)."""
+    if not any(g is not None and bool(g.any()) for g in grad_outputs):
+        return None
+    return tuple(None if g is None else torch.ones_like(g) for g in grad_inputs)
+
+
+def selected_out(closure: Callable[[], Any], tensors: list[torch.Tensor], zero: list[int],
+                 seed: int = 0) -> dict[int, str]:
+    """Index of a zero-gradient tensor -> the selections (``SELECTIONS``) that left all of its
+    entries out: with every selection passing a gradient to all of its input's entries, its
+    gradient is not zero. Which entries a selection takes is the batch's (anchors matched,
+    positives found): another batch fills the zero."""
+    if not zero:
+        return {}
+    with torch.random.fork_rng(), torch.enable_grad():
+        loss = _loss(closure, seed)
+        if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+            return {}
+        chosen = [(n, words) for n in nodes_of(loss.grad_fn)
+                  for key, words in SELECTIONS.items() if type(n).__name__.startswith(key)]
+        if not chosen:
+            return {}
+        handles = [n.register_hook(_select_all) for n, _ in chosen]
+        try:
+            grads = torch.autograd.grad(loss, [tensors[i] for i in zero], allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+    how = ", ".join(sorted({words for _, words in chosen}))
+    return {i: how for i, g in zip(zero, grads) if g is not None and bool(torch.isfinite(g).all()) and bool(g.any())}
+
+
+def ordinary_behind(closure: Callable[[], Any], tensors: list[torch.Tensor], tiny: list[int], ordinary: set[int],
+                    seed: int = 0) -> dict[int, int]:
+    """Index of a tiny-gradient tensor -> the index of a tensor behind the computed inputs of
+    the operation it enters, reached by the loss only through that operation, whose gradient is
+    ``ordinary`` (judged and not tiny). A vanishing gradient is attenuated before it reaches that
+    operation, so it is attenuated for every tensor whose gradient comes only through it; one of
+    them with an ordinary gradient shows that the gradient reaching the operation is not, and
+    that the tensor's small gradient is its own role there (a gain that a normalisation after it
+    mostly cancels, a small input). A tensor also reached by another path (a residual
+    connection around the operation) is no evidence. One forward pass, no backward."""
+    if not tiny or not ordinary:
+        return {}
+    index = {id(t): k for k, t in enumerate(tensors)}
+    accepted = {id(tensors[k]) for k in ordinary}
+    with torch.random.fork_rng(), torch.enable_grad():
+        loss = _loss(closure, seed)
+        if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+            return {}
+        found = leaves_behind_inputs(loss.grad_fn, {id(tensors[i]) for i in tiny}, accepted.__contains__)
+    return {index[leaf]: index[behind] for leaf, behind in found.items()}

@@ -116,6 +116,8 @@ def _gradient_findings(tr: Transition, fp16_fraction: float, tiny_factor: float)
             findings.append(redundant)
         elif state[i] == "zero" and i in tr.stochastic:
             findings.append(Finding("zero_gradient", r.name, _DRAWN, INFO))
+        elif state[i] == "zero" and i in tr.selected:
+            findings.append(_selected_out(tr, i))
         elif state[i] == "zero" and i not in tr.zero_causes:
             cut = ("; its path goes through " + "; ".join(tr.cuts[i])) if i in tr.cuts else ""
             findings.append(Finding("zero_gradient", r.name, f"the gradient is exactly zero everywhere{cut}", WARNING))
@@ -135,6 +137,15 @@ def _gradient_findings(tr: Transition, fp16_fraction: float, tiny_factor: float)
 
 _DRAWN = ("zero on this draw of the model's randomness (dropout, stochastic depth): with another random seed its "
           "gradient is not zero")
+
+
+def _selected_out(tr: Transition, i: int) -> Finding:
+    """A zero gradient a data-dependent selection made: information, until it persists."""
+    return Finding("zero_gradient", tr.rows[i].name, (
+        f"the gradient is exactly zero on this batch: the loss reads this tensor's output through {tr.selected[i]}, "
+        "which took none of the entries it feeds on this batch (a detection head's level no anchor matched, no "
+        "positive location); with every entry selected its gradient is not zero (checked). A zero another batch "
+        f"fills: gradrepro.record says when it holds at {PERSIST_STEPS} logged steps in a row"), INFO)
 
 
 def _no_gradient(tr: Transition, i: int) -> Finding:
@@ -192,8 +203,20 @@ def _small_by_design(tr: Transition, tiny_factor: float) -> list[int]:
 
 
 def _tiny(tr: Transition, i: int, small: list[int]) -> Finding:
+    """A warning where the gradient reaching the tensor's operation is attenuated (a vanishing
+    gradient); information where a gain small by design is in the model, or where a tensor
+    behind the operation has an ordinary gradient (the smallness is the tensor's own role)."""
     detail = f"grad/param ratio {tr.g_to_p[i]:.3g} is {tr.median / tr.g_to_p[i]:.3g} times below the model's median " \
              f"{tr.median:.3g}"
+    if i in tr.unattenuated and not small:
+        j = tr.unattenuated[i]
+        return Finding("tiny_gradient", tr.rows[i].name, detail + (
+            f"; the gradient reaching the operation it enters is not attenuated: {tr.rows[j].name}, which the loss "
+            f"reaches only through that operation, has an ordinary ratio ({tr.g_to_p[j]:.3g}), which a vanishing "
+            "gradient would have made tiny too. Small by its role there (a gain that a normalisation after it "
+            "mostly cancels, a small input), not a vanishing gradient; gradrepro.record says when it holds at "
+            f"{PERSIST_STEPS} logged steps in a row"),
+            INFO)
     if small:
         names = ", ".join(tr.rows[k].name for k in small[:4]) + (" ..." if len(small) > 4 else "")
         return Finding("tiny_gradient", tr.rows[i].name, detail + (

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -39,6 +39,97 @@ def leaves_of(tensors: Iterable[torch.Tensor]) -> dict[int, torch.Tensor]:
             continue
         stack.extend(child for child, _ in node.next_functions)
     return found
+
+
+def nodes_of(root: object, blocked: frozenset | set = frozenset()) -> list:
+    """Every node of the autograd graph behind ``root`` (at most ``_WALK_LIMIT``), not walking
+    into or past the ``blocked`` nodes."""
+    stack, seen, out = [root], set(), []
+    while stack and len(seen) < _WALK_LIMIT:
+        node = stack.pop()
+        if node is None or node in seen or node in blocked:
+            continue
+        seen.add(node)
+        out.append(node)
+        stack.extend(child for child, _ in getattr(node, "next_functions", ()))
+    return out
+
+
+def _leaf_of_chain(node: object) -> torch.Tensor | None:
+    """The leaf a chain of one-input nodes ends at (a weight read through ``.t()`` or a view),
+    or None where the chain meets an operation of several inputs."""
+    for _ in range(8):
+        leaf = getattr(node, "variable", None)
+        if isinstance(leaf, torch.Tensor):
+            return leaf
+        children = [c for c, _ in getattr(node, "next_functions", ()) if c is not None]
+        if len(children) != 1:
+            return None
+        node = children[0]
+    return None
+
+
+def leaves_behind_inputs(root: object, leaf_ids: set[int], accept: Callable[[int], bool]) -> dict[int, int]:
+    """id(leaf) -> id of a leaf found by ``accept`` that lies behind the computed inputs of the
+    operation the leaf enters and that the loss reaches only through that operation (every path
+    from ``root`` to it passes there), for each leaf of ``leaf_ids`` that has one; the operation's
+    other leaves, its siblings, are not looked at. The operation is the first node above the leaf
+    that takes more than one input. At most ``_BEHIND_LIMIT`` leaves are looked at (a full walk
+    of the graph each)."""
+    parents: dict = {}
+    accumulate: dict[int, object] = {}
+    for node in nodes_of(root):
+        leaf = getattr(node, "variable", None)
+        if isinstance(leaf, torch.Tensor):
+            accumulate[id(leaf)] = node
+        for child, _ in getattr(node, "next_functions", ()):
+            if child is not None:
+                parents.setdefault(child, []).append(node)
+    found: dict[int, int] = {}
+    for target in list(leaf_ids)[:_BEHIND_LIMIT]:
+        start = accumulate.get(target)
+        if start is None:
+            continue
+        ops = _operations_above(start, parents)
+        elsewhere = set(nodes_of(root, blocked={op for op, _ in ops}))  # reached without passing them
+        hit = _first_accepted([c for op, came_from in ops for c, _ in op.next_functions
+                               if c is not None and c is not came_from and _leaf_of_chain(c) is None],
+                              lambda node, leaf, elsewhere=elsewhere: node not in elsewhere and accept(id(leaf)))
+        if hit is not None:
+            found[target] = hit
+    return found
+
+
+_BEHIND_LIMIT = 64
+
+
+def _operations_above(start: object, parents: dict) -> list:
+    """(operation, the child it was reached from): the first nodes above ``start`` with more
+    than one input, climbing through one-input nodes (a view or ``.t()`` of the leaf alone)."""
+    frontier, ops = [(p, start) for p in parents.get(start, [])], []
+    while frontier and len(ops) < 64:
+        node, came_from = frontier.pop()
+        if len([c for c, _ in node.next_functions if c is not None]) == 1:
+            frontier.extend((p, node) for p in parents.get(node, []))
+        else:
+            ops.append((node, came_from))
+    return ops
+
+
+def _first_accepted(starts: list, accept: Callable[[object, torch.Tensor], bool]) -> int | None:
+    stack, seen = list(starts), set()
+    while stack and len(seen) < _WALK_LIMIT:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if isinstance(leaf, torch.Tensor):
+            if accept(node, leaf):
+                return id(leaf)
+            continue
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+    return None
 
 
 def call_site() -> str:

@@ -103,6 +103,19 @@ def check_inputs(model: Any, optimizer: Any, closure: Any) -> None:
     check_model_device(model)
 
 
+def check_optimizer_of(model: nn.Module, optimizer: torch.optim.Optimizer, model_tensors: set) -> None:
+    """An optimizer none of whose tensors the model holds (``model_tensors``: ids of every tensor
+    ``parameter_rows`` found on the model, registered or not) was built over another model, or
+    before the whole model was rebuilt: every row would be a finding of that one cause, so it is
+    one refusal instead. One tensor in common is a partial mismatch, which the findings name."""
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if held and not any(id(p) in model_tensors for p in held):
+        raise DiagnoseValueError(
+            f"the optimizer holds {len(held)} tensor(s) and none is a parameter of this {type(model).__name__} "
+            "(compared by identity): it was built over another model, or before the model was rebuilt; "
+            "build it from model.parameters()")
+
+
 def check_loss(out: Any) -> torch.Tensor:
     if isinstance(out, (tuple, list)):
         raise DiagnoseTypeError(

@@ -65,6 +65,8 @@ class Transition:
     stochastic: set = field(default_factory=set)  # zero or missing gradients that other random draws give
     fp16: bool = False  # the loss was computed under float16 autocast
     cuts: dict = field(default_factory=dict)  # index -> the calls that cut or flatten its path
+    selected: dict = field(default_factory=dict)  # index -> the selections that took none of its entries
+    unattenuated: dict = field(default_factory=dict)  # tiny index -> index of an ordinary gradient behind its op
     # -- around the step (``_step_and_predict``)
     at_step: list = field(default_factory=list)  # the parameters as the step found them (after forward)
     forward_changed: _Array = None  # the forward pass itself changed the parameter
@@ -222,6 +224,12 @@ def _explain(tr: Transition, closure: Callable[[], torch.Tensor]) -> None:
         tr.stochastic = causes.drawn_zeros(closure, tensors, [i for i in unexplained if tr.depends[i] is not True])
         if unexplained:
             tr.cuts = causes.cuts_by_tensor(causes.record_cuts(closure), tensors, unexplained)
+        tr.selected = causes.selected_out(closure, tensors, [i for i in zero if i not in tr.zero_causes
+                                                             and i not in tr.stochastic and i not in tr.cuts])
+        judged = tr.has & (tr.nonfinite == 0) & (tr.nonzero > 0) & (tr.p_norm > 0) & np.isfinite(tr.g_to_p)
+        ordinary = {i for i in trainable if judged[i] and tr.state[i] == "finite"}
+        tr.unattenuated = causes.ordinary_behind(closure, tensors, [i for i in trainable if tr.state[i] == "tiny"],
+                                                 ordinary)
     except Exception as exc:  # noqa: BLE001 - the user's closure may do anything
         tr.notes.append(f"causes of missing/zero gradients not examined: the closure failed on a rerun ({exc})")
 
