@@ -113,8 +113,12 @@ def test_every_benchmark_case_is_found_in_time(name):
 
 
 @pytest.mark.slow
-def test_healthy_benchmark_models_have_no_finding():
+def test_healthy_benchmark_models_have_no_warning_or_error():
+    """A healthy loop may get an info finding that says what happened without calling it a bug
+    (experts no token reached on a step, a group held at lr 0 on purpose); the benchmark's
+    measure of a false alarm is a warning or an error, and none may come."""
     from healthy import HEALTHY
     for name, fn in HEALTHY.items():
         out = run_case(fn, True)
-        assert not out.error and out.findings == [], (name, out.error, [str(f) for f in out.findings])
+        loud = [str(f) for f in out.findings if f.severity != "info"]
+        assert not out.error and not loud, (name, out.error, loud)
