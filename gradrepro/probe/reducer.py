@@ -210,11 +210,11 @@ class Reducer:
                 else:  # in place, the whole layout at once
                     squares(before.grid, stats, "u_", work=before.grid)
                     before.release()  # spent: its memory back before the transfer's
-            parts = {"params": stats.data}
+            parts = {"params": stats.part()}
             if buffers.acts.seen:
-                parts["acts"] = buffers.acts.result()
+                parts["acts"] = buffers.acts.part()
             if buffers.act_grads.seen:
-                parts["act_grads"] = buffers.act_grads.result()
+                parts["act_grads"] = buffers.act_grads.part()
             if residuals:
                 parts["residuals"] = step_residuals(before.views, pending["have"], pending["fresh"],
                                                     buffers.running, lr)

@@ -167,6 +167,11 @@ class Stash:
         data = self.stats.data
         return data if data.shape[1] == self.blocks else data[:, : self.blocks]
 
+    def part(self):
+        """``result`` as a part of the one transfer (``kernels.to_host``): the rows' flat view
+        made once, where the step filled them all (the usual case: no view on each step)."""
+        return self.stats.part() if self.stats.data.shape[1] == self.blocks else self.result()
+
     def release_buffer(self) -> None:
         """The samples are reduced: hand back the window's memory."""
         self.closed = True
