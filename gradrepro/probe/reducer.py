@@ -63,19 +63,23 @@ class Reducer:
         that are not zero (a norm of order 0: NaN and inf count) and those a float16 copy keeps
         non-zero (|x| > FP16_FLUSH = 2^-25, NaN and inf: rounding to nearest even takes exactly
         the others to zero), through a float16 copy of the window (half its bytes, handed back
-        at once), so that the window itself stays as the moments need it."""
+        at once), so that the window itself stays as the moments need it. The copy's entries
+        are counted on their bits (sign cleared, then at most 1, summed as integers): a norm of
+        order 0 of float16 is ten times slower on CPU (benchmarks/README.md)."""
         grid = work.grid
-        half, kept = self._half_for(grid.shape[0], grid.device)
+        half, bits, kept = self._half_for(grid.shape[0], grid.device)
         torch.linalg.vector_norm(grid, 0, dim=1, out=rows.row["nonzero"])
         half.copy_(grid)
-        torch.linalg.vector_norm(half, 0, dim=1, out=kept)  # exact: at most BLOCK
+        bits.bitwise_and_(0x7FFF).clamp_(max=1)  # 1 where any bit but the sign is set
+        torch.sum(bits, 1, out=kept)  # exact: at most BLOCK
         rows.row["kept"].copy_(kept)
         release_(half)
         moments_(work, window, rows, "")
 
     def _half_for(self, rows: int, device: torch.device):
-        """A ``rows x BLOCK`` float16 grid and a count row of ``rows`` after it, in one buffer
-        whose storage holds those alone (grown here, handed back after each use)."""
+        """A ``rows x BLOCK`` float16 grid, the same bits as int16, and an int16 count row of
+        ``rows`` after it, in one buffer whose storage holds those alone (grown here, handed
+        back after each use)."""
         need = rows * (BLOCK + 1)
         if self._half is None or self._half.numel() < need or self._half.device != device:
             self._half = torch.empty(need, dtype=torch.float16, device=device)
@@ -85,8 +89,9 @@ class Reducer:
             storage.resize_(2 * need)
         views = self._half_views.get(rows)
         if views is None:
-            views = self._half_views[rows] = (self._half.narrow(0, 0, rows * BLOCK).view(rows, BLOCK),
-                                              self._half.narrow(0, rows * BLOCK, rows))
+            grid = self._half.narrow(0, 0, rows * BLOCK).view(rows, BLOCK)
+            views = self._half_views[rows] = (grid, grid.view(torch.int16),
+                                              self._half.narrow(0, rows * BLOCK, rows).view(torch.int16))
         return views
 
     def release(self) -> None:
