@@ -261,7 +261,9 @@ def _step_and_predict(tr: Transition, optimizer: torch.optim.Optimizer, step: bo
     for i, t in enumerate(tensors):
         after, start, used = t.detach(), tr.at_step[i], tr.used[i]
         changed[i] = not torch.equal(after, start)
-        update_norm[i] = _norm(wide(after) - wide(start))
+        # Each side widened once and reused below (each is a float64 copy of the tensor).
+        after64, start64 = wide(after), wide(start)
+        update_norm[i] = _norm(after64 - start64)
         if not tr.stepped or id(t) not in members or used is None:
             expected[i] = 0.0  # the optimizer skips a None gradient; a non-member is never touched
             matches[i] = not changed[i]
@@ -269,12 +271,12 @@ def _step_and_predict(tr: Transition, optimizer: torch.optim.Optimizer, step: bo
             continue
         if not bool(torch.isfinite(dense(used)).all()):
             continue  # no update to predict from a NaN/Inf gradient (its own finding says so)
-        predicted = predict(optimizer, members[id(t)][1], start, used, states_before[i])
+        predicted = predict(optimizer, members[id(t)][1], start64, used, states_before[i])
         if predicted is None:
             continue
-        expected[i] = _norm(predicted - wide(start))
-        err = _norm(wide(after) - predicted)
-        floor = 2 * torch.finfo(t.dtype).eps * _norm(after) if t.is_floating_point() or t.is_complex() else 0.0
+        expected[i] = _norm(predicted - start64)
+        err = _norm(after64 - predicted)
+        floor = 2 * torch.finfo(t.dtype).eps * _norm(after64) if t.is_floating_point() or t.is_complex() else 0.0
         matches[i] = err <= rtol * expected[i] + floor
         rel_err[i] = err / expected[i] if expected[i] > 0 else (0.0 if err == 0 else math.inf)
     tr.changed, tr.update_norm, tr.expected, tr.rel_err, tr.matches = changed, update_norm, expected, rel_err, matches
