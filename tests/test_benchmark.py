@@ -91,3 +91,37 @@ def test_probe_adds_fewer_operations_per_logged_step_than_the_bare_step(tmp_path
     for r in rows:
         assert 0 < r["probe_ops"] <= r["bare_ops"], r
         assert r["probe_syncs"] == 1, r  # the one transfer, and it is seen
+
+
+def test_the_gradients_passes_cost_the_same_operations_whatever_the_models_size():
+    """The gradients', parameters' and update's passes of a logged step run over the whole
+    layout at once: a net of the same tensors 4096 times larger (its first weight 6.2 M
+    entries, three 8 MiB windows) dispatches the same operations, and the host waits once."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from op_count import OpCounter
+
+    from gradrepro.probe import Probe
+    from gradrepro.probe.blocks import WINDOW_BLOCKS
+    from gradrepro.probe.config import ProbeConfig
+
+    def counts(width: int) -> tuple:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, 10))
+        probe = Probe(net, ProbeConfig(every=1, activations=False), total_steps=10)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        x, y = torch.randn(4, width), torch.randint(0, 10, (4,))
+        for step in range(3):  # the last one counted: the buffers are laid out by then
+            opt.zero_grad(set_to_none=True)
+            ctx = probe.step(step, lr=0.1)
+            p = ctx.__enter__()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            with OpCounter() as collect:
+                p.collect()
+            opt.step()
+            with OpCounter() as finish:
+                ctx.__exit__(None, None, None)
+        assert probe.buffers.layout.blocks > (2 * WINDOW_BLOCKS if width > 1000 else 0)
+        return collect.ops + finish.ops, collect.syncs + finish.syncs
+
+    small, large = counts(39), counts(39 * 64)
+    assert small == large and small[1] == 1, (small, large)

@@ -369,8 +369,8 @@ def test_the_output_gradients_window_holds_what_has_arrived():
     stash, seen = probe.act_grads, []
     put = stash.put
 
-    def watched(name, sample, value=float("nan")):
-        put(name, sample, value)
+    def watched(name, sample, value=float("nan"), **kwargs):
+        put(name, sample, value, **kwargs)
         arrived = sum(-(-math.prod(s.shape) // BLOCK) for s in stash._segments[: stash._cursor])
         seen.append((arrived, stash._buffer.untyped_storage().nbytes()))
 
@@ -388,11 +388,11 @@ def test_the_output_gradients_window_holds_what_has_arrived():
         assert held <= 2 * 4 * BLOCK * arrived, (arrived, held)
 
 
-def test_the_gradients_windows_are_handed_back_before_the_copy_grows():
-    """The copy of the parameters is the largest buffer of a logged step: it grows after the
-    gradients' windows are handed back (its norms' scaled pass runs in place on it and a second
-    copy puts its values back), so the two are never held together; the records are those of
-    a window kept beside it (the other tests of this file)."""
+def test_no_gradient_window_is_held_beside_the_copy():
+    """The copy of the parameters is the largest buffer of a logged step: the gradients' passes
+    run in it before the parameters are copied there (its norms' scaled pass runs in place on it
+    and a second copy puts its values back), so no window of gradients is held beside it; the
+    records are those of the windows' passes (the other tests of this file)."""
     torch.manual_seed(0)
     net = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(2048, 2048), nn.Tanh())])
     probe = Probe(net, ProbeConfig(every=1, act_sample=8), total_steps=2)
@@ -412,4 +412,4 @@ def test_the_gradients_windows_are_handed_back_before_the_copy_grows():
             p.collect()
             opt.step()
         assert np.isfinite(p.columns["param_norm"]).all() and (p.columns["param_norm"] > 0).all()
-    assert at_copy == [0]
+    assert at_copy and set(at_copy) == {0}

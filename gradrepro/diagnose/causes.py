@@ -38,7 +38,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from gradrepro.diagnose.graph import call_site, leaves_behind_inputs, leaves_of, nodes_of, wide
+from gradrepro.diagnose.graph import all_finite, call_site, leaves_behind_inputs, leaves_of, nodes_of, wide
 
 # torch.round/floor/ceil/trunc/sign are step functions: autograd defines their derivative as 0.
 ZERO_DERIVATIVE = frozenset({"round", "round_", "floor", "floor_", "ceil", "ceil_", "trunc", "trunc_", "fix",
@@ -174,7 +174,7 @@ def _revived(closure: Callable[[], Any], tensors: list[torch.Tensor], zero: list
         with torch.no_grad():
             for j, value in zip(candidates, saved):
                 tensors[j].copy_(value)
-    return [i for i, g in zip(zero, grads) if g is not None and bool(torch.isfinite(g).all()) and bool(g.any())]
+    return [i for i, g in zip(zero, grads) if g is not None and all_finite(g) and bool(g.any())]
 
 
 def _first_order(closure: Callable[[], Any], tensors: list[torch.Tensor], revived: list[int],

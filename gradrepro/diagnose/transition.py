@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from gradrepro.diagnose import causes
-from gradrepro.diagnose.graph import dense, feeds_normaliser, wide
+from gradrepro.diagnose.graph import all_finite, dense, feeds_normaliser, wide
 from gradrepro.diagnose.inputs import DiagnoseValueError, check_loss
 from gradrepro.diagnose.registration import Row, optimizer_members, scan_attributes
 from gradrepro.diagnose.update_rule import SUPPORTED, predict, rule_name, snapshot_state
@@ -182,6 +182,15 @@ def _backward(loss: torch.Tensor) -> None:
         raise DiagnoseValueError(f"backward through the closure's loss failed: {first[:300]} ({hint})") from None
 
 
+def _nonfinite(g: torch.Tensor | None, norm: float) -> float:
+    """The NaN and inf entries of a gradient, counted only where there can be some: a tensor
+    narrower than float64 whose float64 norm is finite has none (its entries' squares, at most
+    (3.4e38)^2, cannot overflow a float64 sum), which saves a pass over most tensors."""
+    if g is None or (math.isfinite(norm) and g.dtype not in (torch.float64, torch.complex128)):
+        return 0.0
+    return float((~torch.isfinite(g)).sum())
+
+
 def _classify(tr: Transition, tiny_factor: float) -> None:
     """Every gradient's statistics and state; registered tensors are judged among themselves,
     as the probe (which sees registered tensors only) judges them."""
@@ -191,7 +200,7 @@ def _classify(tr: Transition, tiny_factor: float) -> None:
     g_norm = np.array([_norm(g) for g in grads])
     p_norm = np.array([_norm(t) for t in tr.before])
     nonzero = np.array([float(torch.count_nonzero(g)) if g is not None else 0.0 for g in grads])
-    nonfinite = np.array([float((~torch.isfinite(g)).sum()) if g is not None else 0.0 for g in grads])
+    nonfinite = np.array([_nonfinite(g, norm) for g, norm in zip(grads, g_norm)])
     small = np.array([float((g.abs() <= FP16_FLUSH).sum()) if g is not None else 0.0 for g in grads])
     numel = np.array([float(t.numel()) for t in tensors])
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -269,20 +278,22 @@ def _step_and_predict(tr: Transition, optimizer: torch.optim.Optimizer, step: bo
     for i, t in enumerate(tensors):
         after, start, used = t.detach(), tr.at_step[i], tr.used[i]
         changed[i] = not torch.equal(after, start)
-        update_norm[i] = _norm(wide(after) - wide(start))
+        # Each side widened once and reused below (each is a float64 copy of the tensor).
+        after64, start64 = wide(after), wide(start)
+        update_norm[i] = _norm(after64 - start64)
         if not tr.stepped or id(t) not in members or used is None:
             expected[i] = 0.0  # the optimizer skips a None gradient; a non-member is never touched
             matches[i] = not changed[i]
             rel_err[i] = 0.0 if not changed[i] else math.inf
             continue
-        if not bool(torch.isfinite(dense(used)).all()):
+        if not all_finite(dense(used)):
             continue  # no update to predict from a NaN/Inf gradient (its own finding says so)
-        predicted = predict(optimizer, members[id(t)][1], start, used, states_before[i])
+        predicted = predict(optimizer, members[id(t)][1], start64, used, states_before[i])
         if predicted is None:
             continue
-        expected[i] = _norm(predicted - wide(start))
-        err = _norm(wide(after) - predicted)
-        floor = 2 * torch.finfo(t.dtype).eps * _norm(after) if t.is_floating_point() or t.is_complex() else 0.0
+        expected[i] = _norm(predicted - start64)
+        err = _norm(after64 - predicted)
+        floor = 2 * torch.finfo(t.dtype).eps * _norm(after64) if t.is_floating_point() or t.is_complex() else 0.0
         matches[i] = err <= rtol * expected[i] + floor
         rel_err[i] = err / expected[i] if expected[i] > 0 else (0.0 if err == 0 else math.inf)
     tr.changed, tr.update_norm, tr.expected, tr.rel_err, tr.matches = changed, update_norm, expected, rel_err, matches

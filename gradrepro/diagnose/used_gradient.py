@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from gradrepro.diagnose.graph import real_flat
+from gradrepro.diagnose.graph import all_finite, real_flat
 
 # Kinds that make the step wrong (an error); ``changed`` is an error only when it no longer descends.
 WRONG = ("zeroed", "sign_flipped", "nonfinite", "added")
@@ -81,9 +81,9 @@ def compare(loss_grad: Optional[torch.Tensor], used: Optional[torch.Tensor], rto
         kind = "same" if loss_grad is None and used is None else ("removed" if used is None else "added")
         return Change(kind, during_backward=during_backward)
     g, u = real_flat(loss_grad), real_flat(used)
-    if torch.equal(g, u) or not bool(torch.isfinite(g).all()):  # the same, or already broken at backward
+    if torch.equal(g, u) or not all_finite(g):  # the same, or already broken at backward
         return Change()
-    if not bool(torch.isfinite(u).all()):
+    if not all_finite(u):
         return Change("nonfinite", during_backward=during_backward)
     gg, uu, gu = float(g @ g), float(u @ u), float(g @ u)
     if gg == 0:

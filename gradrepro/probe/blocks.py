@@ -109,11 +109,16 @@ class Stats:
 
     def __init__(self, layout: Layout, rows: Sequence[str], dtype) -> None:
         self.data = torch.zeros(len(rows), layout.blocks, dtype=dtype, device=layout.device)
+        self.flat = self.data.view(-1)  # made once: the transfer takes it without a view per step
         self.row: Dict[str, torch.Tensor] = {name: self.data[i] for i, name in enumerate(rows)}
         self.column = {name: r.view(-1, 1) for name, r in self.row.items()}  # broadcast views
         self.names = tuple(rows)
         self.scales = tuple(torch.tensor(s, dtype=dtype, device=layout.device)
                             for s in (SCALE_UP, SCALE_DOWN))
+
+    def part(self) -> tuple:
+        """The rows as a part of the one transfer (``kernels.to_host``)."""
+        return self.flat, tuple(self.data.shape)
 
     def release(self) -> None:
         release_(self.data)

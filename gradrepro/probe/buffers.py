@@ -1,6 +1,7 @@
-"""The buffers that hold a logged step's blocks (probe/blocks.py): the gradients' fixed-size
-windows, the parameters before the step (then the update), what ``.grad`` carried in, the
-per-block rows of the one transfer, and the hooks' two stashes (probe/stash.py).
+"""The buffers that hold a logged step's blocks (probe/blocks.py): the parameters before the
+step (then the update; the gradients' passes run in it first), fixed-size windows (for a copy
+in host memory, and for an update that is read again after its norms), what ``.grad`` carried
+in, the per-block rows of the one transfer, and the hooks' two stashes (probe/stash.py).
 
 All are made at the first logged step and their memory is handed back at the end of every
 logged step (``blocks.release_``): none is held in between. The probe's running sum of fresh

@@ -101,7 +101,7 @@ class Hooks:
                     or out.dim() == 0):
                 return
             with torch.no_grad():
-                acts.put(name, out[:n] if out.shape[0] > n else out)
+                acts.put(name, out, take=n)
             if (self.cfg.per_example and isinstance(module, nn.Linear)
                     and inputs and torch.is_tensor(inputs[0]) and inputs[0].dim() == 2):
                 self._inputs[name] = inputs[0].detach()[:n].float()
@@ -122,8 +122,10 @@ class Hooks:
             # std is reported without the loss scale; the zero/flush counts are of the
             # values backward actually carried (scaled), which is what fp16 has to hold.
             with torch.no_grad():
+                buffers.act_grads.put(name, grad, self.loss_scale, take=n)
+                if not (self.cfg.act_grad_hist or name in self._inputs):
+                    return
                 g = grad[:n] if grad.shape[0] > n else grad
-                buffers.act_grads.put(name, g, self.loss_scale)
                 if self.cfg.act_grad_hist:
                     self.act_grad_hist[name] = log2_histogram(g)
                 if name in self._inputs:

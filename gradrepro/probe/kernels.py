@@ -13,7 +13,7 @@ norm on every device, in float32 arithmetic.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Tuple, Union
 
 import numpy as np
 import torch
@@ -137,16 +137,17 @@ def per_example_stats(delta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.stack([delta.var(unbiased=False), second - mean**2])
 
 
-def to_host(parts: Dict[str, torch.Tensor]) -> Dict[str, np.ndarray]:
+def to_host(parts: Dict[str, Union[torch.Tensor, Tuple[torch.Tensor, tuple]]]) -> Dict[str, np.ndarray]:
     """Named device tensors as float64 host arrays of the same shapes, in one transfer (one
     concatenation, one copy to the host): a new statistic is one more entry, read back by its
-    name. The copy is explicit even on CPU, so that the transfer is one countable operation."""
-    tensors = list(parts.values())
-    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-    flat = torch.cat([t.reshape(-1) if t.dtype == dtype else t.reshape(-1).to(dtype) for t in tensors])
+    name. A part is a tensor, or a (flat view made once, shape) pair, which costs no view on
+    each step. The copy is explicit even on CPU, so that the transfer is one countable operation."""
+    pairs = [t if isinstance(t, tuple) else (t.reshape(-1), tuple(t.shape)) for t in parts.values()]
+    dtype = torch.float64 if any(f.dtype == torch.float64 for f, _ in pairs) else torch.float32
+    flat = torch.cat([f if f.dtype == dtype else f.to(dtype) for f, _ in pairs])
     host = flat.to("cpu", copy=True).numpy().astype(np.float64)
     out, offset = {}, 0
-    for name, t in parts.items():
-        out[name] = host[offset : offset + t.numel()].reshape(tuple(t.shape))
-        offset += t.numel()
+    for name, (f, shape) in zip(parts, pairs):
+        out[name] = host[offset : offset + f.numel()].reshape(shape)
+        offset += f.numel()
     return out

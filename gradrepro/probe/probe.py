@@ -15,11 +15,13 @@ Three parts, each a small object: the hooks that gather (probe/hooks.py), the bu
 hold a logged step's blocks (probe/buffers.py) and the reducer that turns blocks into columns
 (probe/reducer.py, the distributed sum inside it). On steps that are not logged nothing runs
 but the schedule's test. On a logged step the work does not grow operation by operation with
-the number of tensors: the hooks copy their samples into a window-sized buffer, reduced a
-window at a time as they arrive (probe/stash.py); gradients, parameters and updates pass
-through another with multi-tensor copies; each window is reduced a block at a time in a fixed
-number of operations (probe/blocks.py), and the per-block results reach the host in one
-transfer, where float64 sums by tensor finish them (probe/columns.py). Gradient states
+the number of tensors: the hooks copy their samples into a window-sized buffer (one operation
+a sample), reduced a window at a time as they arrive (probe/stash.py); gradients, parameters
+and updates pass with multi-tensor copies through the buffer of the parameters' pre-step copy,
+reduced there over the whole layout at once (a window at a time where that copy lives in host
+memory); each pass reduces every block in a fixed number of operations (probe/blocks.py), and
+the per-block results reach the host in one transfer, where float64 sums by tensor finish them
+(probe/columns.py). Gradient states
 (probe/states.py): ``none``, ``zero``, ``tiny``, ``finite``, ``nonfinite``.
 """
 

@@ -1,5 +1,6 @@
 """The reducer that turns a logged step's blocks into ``modules.parquet``'s columns: the
-block passes over the buffers (probe/blocks.py) in a fixed number of operations per window,
+block passes over the buffers (probe/blocks.py) in a fixed number of operations per pass
+(over the whole layout where the parameters' copy is on the device, else per window),
 the one transfer to the host, and the host's float64 sums (probe/columns.py), with the one
 collective of a distributed run (probe/shards.py) inside."""
 
@@ -62,19 +63,23 @@ class Reducer:
         that are not zero (a norm of order 0: NaN and inf count) and those a float16 copy keeps
         non-zero (|x| > FP16_FLUSH = 2^-25, NaN and inf: rounding to nearest even takes exactly
         the others to zero), through a float16 copy of the window (half its bytes, handed back
-        at once), so that the window itself stays as the moments need it."""
+        at once), so that the window itself stays as the moments need it. The copy's entries
+        are counted on their bits (sign cleared, then at most 1, summed as integers): a norm of
+        order 0 of float16 is ten times slower on CPU (benchmarks/README.md)."""
         grid = work.grid
-        half, kept = self._half_for(grid.shape[0], grid.device)
+        half, bits, kept = self._half_for(grid.shape[0], grid.device)
         torch.linalg.vector_norm(grid, 0, dim=1, out=rows.row["nonzero"])
         half.copy_(grid)
-        torch.linalg.vector_norm(half, 0, dim=1, out=kept)  # exact: at most BLOCK
+        bits.bitwise_and_(0x7FFF).clamp_(max=1)  # 1 where any bit but the sign is set
+        torch.sum(bits, 1, out=kept)  # exact: at most BLOCK
         rows.row["kept"].copy_(kept)
         release_(half)
         moments_(work, window, rows, "")
 
     def _half_for(self, rows: int, device: torch.device):
-        """A ``rows x BLOCK`` float16 grid and a count row of ``rows`` after it, in one buffer
-        whose storage holds those alone (grown here, handed back after each use)."""
+        """A ``rows x BLOCK`` float16 grid, the same bits as int16, and an int16 count row of
+        ``rows`` after it, in one buffer whose storage holds those alone (grown here, handed
+        back after each use)."""
         need = rows * (BLOCK + 1)
         if self._half is None or self._half.numel() < need or self._half.device != device:
             self._half = torch.empty(need, dtype=torch.float16, device=device)
@@ -84,8 +89,9 @@ class Reducer:
             storage.resize_(2 * need)
         views = self._half_views.get(rows)
         if views is None:
-            views = self._half_views[rows] = (self._half.narrow(0, 0, rows * BLOCK).view(rows, BLOCK),
-                                              self._half.narrow(0, rows * BLOCK, rows))
+            grid = self._half.narrow(0, 0, rows * BLOCK).view(rows, BLOCK)
+            views = self._half_views[rows] = (grid, grid.view(torch.int16),
+                                              self._half.narrow(0, rows * BLOCK, rows).view(torch.int16))
         return views
 
     def release(self) -> None:
@@ -99,37 +105,71 @@ class Reducer:
             buffers.close_stashes()  # first: their windows are handed back before any buffer below grows
             buffers.ensure_layout()
             have, grads = self.tensors.grads()
-            windows, stats, carrying = buffers.windows, buffers.stats, buffers.carrying
-            windows.regrow()
-            stats.regrow()
-            grad_of = dict(zip(have, grads))
-            carried = windows.rows(buffers.carried) if carrying else None
-            for w, (part, rows) in enumerate(zip(windows.parts, windows.rows(stats))):
-                targets, sources = windows.pieces(part, grad_of)
-                if not targets:  # no gradient in this window: its rows stay zero (never read)
-                    continue
-                work = part.work
-                work.flat.zero_()  # the pads, and the segments without a gradient
-                torch._foreach_copy_(targets, sources)
-                work.flat.abs_()
-                level_sums_(work.grid, rows, "g_", nan=False)
-                torch._foreach_copy_(targets, sources)
-                if carried is not None:  # this step's own gradient: .grad minus what it carried in
-                    torch.sub(work.flat, carried[w].flat, out=carried[w].flat)
-                moments_(work, part, rows, "g_")
-                if carried is not None:
-                    squares(carried[w].grid, rows, "f_", work=work.grid)
-            fresh = grads if not carrying else buffers.carried_views(have)
+            buffers.stats.regrow()
+            if buffers.host_before:
+                self._gradient_windows(buffers, have, grads)
+                pads_zero = False
+            else:
+                pads_zero = self._gradient_passes(buffers, have, grads)
+            fresh = grads if not buffers.carrying else buffers.carried_views(have)
             if summing:
                 buffers.add_to_running_sum(have, fresh)
-            self._before_passes(buffers)
+            self._before_passes(buffers, pads_zero)
         # The windows hold nothing across the optimizer's step (their next use writes them
         # first): handed back, so that the step's memory is the copy's alone beside the training's.
-        windows.release()
-        return {"have": have, "grads": grads, "carried": carrying, "fresh": fresh if summing else None}
+        buffers.windows.release()
+        return {"have": have, "grads": grads, "carried": buffers.carrying, "fresh": fresh if summing else None}
 
-    def _before_passes(self, buffers: StepBuffers) -> None:
-        """The parameters before the step: copied into ``buffers.before`` and their norms."""
+    def _gradient_passes(self, buffers: StepBuffers, have: List[int], grads: List[torch.Tensor]) -> bool:
+        """The gradients' passes over the whole layout at once, in the buffer that holds the
+        parameters' copy next (it is held from here to the step's end in any case): a fixed
+        number of operations whatever the model's size. The same passes on the same blocks as
+        the windows' (``_gradient_windows``), so the same per-block values. True when they
+        ran: the buffer's pads are then zero (the copy that follows writes the segments only)."""
+        if not have:
+            return False
+        stats, before, layout = buffers.stats, buffers.before, buffers.layout
+        before.regrow()
+        targets = [before.views[i] for i in have]
+        before.flat.zero_()  # the pads, and the segments without a gradient
+        torch._foreach_copy_(targets, grads)
+        before.flat.abs_()
+        level_sums_(before.grid, stats, "g_", nan=False)
+        torch._foreach_copy_(targets, grads)
+        carried = buffers.carried if buffers.carrying else None
+        if carried is not None:  # this step's own gradient: .grad minus what it carried in
+            torch.sub(before.flat, carried.flat, out=carried.flat)
+        moments_(before, layout, stats, "g_")
+        if carried is not None:
+            squares(carried.grid, stats, "f_", work=before.grid)
+        return True
+
+    def _gradient_windows(self, buffers: StepBuffers, have: List[int], grads: List[torch.Tensor]) -> None:
+        """The gradients' passes a window at a time (the parameters' copy is in host memory:
+        the device holds a window, not a copy of the model)."""
+        windows, stats = buffers.windows, buffers.stats
+        windows.regrow()
+        grad_of = dict(zip(have, grads))
+        carried = windows.rows(buffers.carried) if buffers.carrying else None
+        for w, (part, rows) in enumerate(zip(windows.parts, windows.rows(stats))):
+            targets, sources = windows.pieces(part, grad_of)
+            if not targets:  # no gradient in this window: its rows stay zero (never read)
+                continue
+            work = part.work
+            work.flat.zero_()  # the pads, and the segments without a gradient
+            torch._foreach_copy_(targets, sources)
+            work.flat.abs_()
+            level_sums_(work.grid, rows, "g_", nan=False)
+            torch._foreach_copy_(targets, sources)
+            if carried is not None:  # this step's own gradient: .grad minus what it carried in
+                torch.sub(work.flat, carried[w].flat, out=carried[w].flat)
+            moments_(work, part, rows, "g_")
+            if carried is not None:
+                squares(carried[w].grid, rows, "f_", work=work.grid)
+
+    def _before_passes(self, buffers: StepBuffers, pads_zero: bool) -> None:
+        """The parameters before the step: copied into ``buffers.before`` and their norms.
+        ``pads_zero``: the gradients' passes left the buffer's pads zero."""
         windows, stats, before, layout = buffers.windows, buffers.stats, buffers.before, buffers.layout
         if buffers.host_before:  # a window at a time through the work buffer, then to the host
             before.regrow()
@@ -142,16 +182,15 @@ class Reducer:
                 h.flat.copy_(work.flat, non_blocking=True)  # ordered before the next pass
                 squares(work.grid, rows, "p_", work=work.grid)
             return
-        # The windows go before the copy comes, so that the copy alone is held beside the
-        # gradients: its norms' scaled pass runs in place, and a second copy (the parameters
-        # are as they were) puts its values back.
-        windows.release()
+        # The copy alone is held beside the gradients: its norms' scaled pass runs in place
+        # over the whole layout, and a second copy (the parameters are as they were) puts its
+        # values back.
         before.regrow()
         params = self.tensors.values()
         torch._foreach_copy_(list(before.views), list(params))
-        zero_pads_(before, layout)
-        for rows, b in zip(windows.rows(stats), windows.rows(before)):
-            squares(b.grid, rows, "p_", work=b.grid)
+        if not pads_zero:
+            zero_pads_(before, layout)
+        squares(before.grid, stats, "p_", work=before.grid)
         torch._foreach_copy_(list(before.views), list(params))
 
     # -- after the optimizer step: update norms, the one host transfer, the columns -----------
@@ -170,15 +209,17 @@ class Reducer:
                 self._host_updates(buffers, params, pending)
             else:
                 torch._foreach_sub_(before.views, params)  # before - after
-                for part, rows, b in zip(windows.parts, windows.rows(stats), windows.rows(before)):
-                    squares(b.grid, rows, "u_", work=part.work.grid if spare else b.grid)
-                if not spare:
+                if spare:  # the update is read again: its scaled pass goes to a window at a time
+                    for part, rows, b in zip(windows.parts, windows.rows(stats), windows.rows(before)):
+                        squares(b.grid, rows, "u_", work=part.work.grid)
+                else:  # in place, the whole layout at once
+                    squares(before.grid, stats, "u_", work=before.grid)
                     before.release()  # spent: its memory back before the transfer's
-            parts = {"params": stats.data}
+            parts = {"params": stats.part()}
             if buffers.acts.seen:
-                parts["acts"] = buffers.acts.result()
+                parts["acts"] = buffers.acts.part()
             if buffers.act_grads.seen:
-                parts["act_grads"] = buffers.act_grads.result()
+                parts["act_grads"] = buffers.act_grads.part()
             if residuals:
                 parts["residuals"] = step_residuals(before.views, pending["have"], pending["fresh"],
                                                     buffers.running, lr)

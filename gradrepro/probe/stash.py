@@ -92,6 +92,7 @@ class Stash:
         self._work: Dict[int, Rows] = {}  # the first n rows of the buffer, per n
         self._rows_of: Dict[Tuple[int, int], StatRows] = {}
         self._last_blocks = 0  # the last step's: this step's rows are made that size
+        self._take: Dict[int, torch.Tensor] = {}  # the first n examples' indices, per n
 
     # -- the step ---------------------------------------------------------------------------
     def begin(self) -> None:
@@ -108,24 +109,44 @@ class Stash:
     def __contains__(self, name: str) -> bool:
         return name in self.seen
 
-    def put(self, name: str, sample: torch.Tensor, value: float = math.nan) -> None:
-        """Copy ``sample`` into the window buffer (one operation; a piece per window where it
-        spans several), reducing the windows it moves past. Nothing once the stash is reduced
-        (a forward pass that backward reruns: activation checkpointing)."""
+    def put(self, name: str, tensor: torch.Tensor, value: float = math.nan, take: Optional[int] = None) -> None:
+        """Copy the sample, ``tensor`` or its first ``take`` examples, into the window buffer
+        (one operation; a piece per window where it spans several), reducing the windows it
+        moves past. Nothing once the stash is reduced (a forward pass that backward reruns:
+        activation checkpointing)."""
         if self.closed:
             return
-        segment = self._segment_for(name, tuple(sample.shape), sample.device)
+        if take is not None and tensor.dim() and tensor.shape[0] > take:
+            shape = (take,) + tuple(tensor.shape[1:])
+        else:
+            take, shape = None, tuple(tensor.shape)
+        segment = self._segment_for(name, shape, tensor.device)
         self.index[name] = self._cursor
         self.seen[name] = value
         self._cursor += 1
         self.blocks = segment.first + segment.blocks
         self._real.append(segment.real)
+        sample = None
         for window, target, begin, length, whole, end in segment.pieces:
             if window != self._open:
                 self._flush()
                 self._enter(window)
             self._hold(end)
+            if take is not None and whole and tensor.dtype == target.dtype and tensor.device == target.device:
+                # The first examples gathered straight into the window: one operation, not a
+                # slice and a copy (the same values: a gather of whole examples is a copy).
+                torch.index_select(tensor, 0, self._first(take), out=target)
+                continue
+            if sample is None:
+                sample = tensor[:take] if take is not None else tensor
             target.copy_(sample if whole else sample.reshape(-1).narrow(0, begin, length))
+
+    def _first(self, take: int) -> torch.Tensor:
+        """The indices 0 .. take - 1 on the window's device (made once per size)."""
+        index = self._take.get(take)
+        if index is None or index.device != self._buffer.device:
+            index = self._take[take] = torch.arange(take, device=self._buffer.device)
+        return index
 
     def settle(self) -> bool:
         """After the last sample: the open window reduced and the step's layout for the host.
@@ -145,6 +166,11 @@ class Stash:
         """The step's per-block rows (the device side of the one transfer)."""
         data = self.stats.data
         return data if data.shape[1] == self.blocks else data[:, : self.blocks]
+
+    def part(self):
+        """``result`` as a part of the one transfer (``kernels.to_host``): the rows' flat view
+        made once, where the step filled them all (the usual case: no view on each step)."""
+        return self.stats.part() if self.stats.data.shape[1] == self.blocks else self.result()
 
     def release_buffer(self) -> None:
         """The samples are reduced: hand back the window's memory."""
