@@ -49,6 +49,11 @@ def _matches(key: str, patterns: Tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(key, p.replace("[*]", "[[]*[]]")) for p in patterns)
 
 
+def is_signed(key: str) -> bool:
+    """Whether ``key`` takes any finite number, negative included (``SIGNED``)."""
+    return _matches(key, SIGNED)
+
+
 def check_number(key: str, value: Any) -> None:
     """One number of the config; UserError naming the key and the valid range."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -59,7 +64,7 @@ def check_number(key: str, value: Any) -> None:
         if not low <= value <= high or (key == "model.dropout" and value >= high):
             raise UserError(f"{key}={value} is out of range ({why})")
         return
-    signed = _matches(key, SIGNED)
+    signed = is_signed(key)
     if value < 0 and not signed:
         raise UserError(f"{key}={value} must be >= 0: a negative value means nothing here")
     if isinstance(value, int) and abs(value) > INT_MAX:
@@ -76,4 +81,4 @@ def check_numbers(cfg: Any) -> None:
         check_number(key, value)
 
 
-__all__ = ["check_number", "check_numbers", "numeric_leaves"]
+__all__ = ["check_number", "check_numbers", "is_signed", "numeric_leaves"]
