@@ -28,6 +28,21 @@ from gradrepro.probe.kernels import to_host
 from gradrepro.probe.tensors import ProbedTensors
 
 
+def _gradient_pass(work, part, rows, targets: List[torch.Tensor], sources: List[torch.Tensor], carried) -> None:
+    """The gradients' passes over one buffer (``work``: a window, or the whole layout), whose
+    blocks ``part`` lays out: the level sums of |g|, then the moments of g, and, where the
+    gradient carried a previous step's in (``carried``), this step's own part's squares."""
+    work.flat.zero_()  # the pads, and the segments without a gradient
+    torch._foreach_copy_(targets, sources)
+    work.flat.abs_()
+    level_sums_(work.grid, rows, "g_", nan=False)
+    torch._foreach_copy_(targets, sources)
+    if carried is not None:  # this step's own gradient: .grad minus what it carried in
+        torch.sub(work.flat, carried.flat, out=carried.flat)
+    moments_(work, part, rows, "g_")
+    if carried is not None:
+        squares(carried.grid, rows, "f_", work=work.grid)
+
 class Reducer:
     """Block passes and columns for ``tensors``; ``weight_decay`` is the optimizer's
     (grad_to_decay = ||grad of the loss|| / ||wd * w||, He et al. 2015, footnote 2; 0 leaves
@@ -130,18 +145,8 @@ class Reducer:
             return False
         stats, before, layout = buffers.stats, buffers.before, buffers.layout
         before.regrow()
-        targets = [before.views[i] for i in have]
-        before.flat.zero_()  # the pads, and the segments without a gradient
-        torch._foreach_copy_(targets, grads)
-        before.flat.abs_()
-        level_sums_(before.grid, stats, "g_", nan=False)
-        torch._foreach_copy_(targets, grads)
         carried = buffers.carried if buffers.carrying else None
-        if carried is not None:  # this step's own gradient: .grad minus what it carried in
-            torch.sub(before.flat, carried.flat, out=carried.flat)
-        moments_(before, layout, stats, "g_")
-        if carried is not None:
-            squares(carried.grid, stats, "f_", work=before.grid)
+        _gradient_pass(before, layout, stats, [before.views[i] for i in have], grads, carried)
         return True
 
     def _gradient_windows(self, buffers: StepBuffers, have: List[int], grads: List[torch.Tensor]) -> None:
@@ -155,17 +160,7 @@ class Reducer:
             targets, sources = windows.pieces(part, grad_of)
             if not targets:  # no gradient in this window: its rows stay zero (never read)
                 continue
-            work = part.work
-            work.flat.zero_()  # the pads, and the segments without a gradient
-            torch._foreach_copy_(targets, sources)
-            work.flat.abs_()
-            level_sums_(work.grid, rows, "g_", nan=False)
-            torch._foreach_copy_(targets, sources)
-            if carried is not None:  # this step's own gradient: .grad minus what it carried in
-                torch.sub(work.flat, carried[w].flat, out=carried[w].flat)
-            moments_(work, part, rows, "g_")
-            if carried is not None:
-                squares(carried[w].grid, rows, "f_", work=work.grid)
+            _gradient_pass(part.work, part, rows, targets, sources, carried[w] if carried is not None else None)
 
     def _before_passes(self, buffers: StepBuffers, pads_zero: bool) -> None:
         """The parameters before the step: copied into ``buffers.before`` and their norms.
