@@ -38,6 +38,26 @@ def test_patterns_views_share_the_pattern_not_the_background():
     assert torch.equal(data.x_test, again.x_test)
 
 
+def test_patterns_view_miss_leaves_that_share_of_training_views_without_the_template():
+    quiet = ["data=patterns", "data.views=true", "data.batch_size=512", "data.background_std=0",
+             "data.pixel_noise=0"]
+    half = build_data(compose_config([*quiet, "data.view_miss=0.5"]).data, seed=0)
+    batch = half.sample(torch.Generator().manual_seed(0))
+    views = torch.cat([batch.x, batch.x2]).flatten(1)
+    blank = (views.abs().amax(1) == 0).float()  # no background, no noise: only the template draws
+    # 1,024 views at p = 0.5: the share within 4 binomial standard errors (0.0625) of a half
+    assert abs(float(blank.mean()) - 0.5) < 4 * (0.25 / len(blank)) ** 0.5
+    # a view that shows it shows the whole template at full amplitude
+    assert torch.all(views[blank == 0].abs().amax(1) == half.cfg.amplitude)
+    # 0: every view shows it; the evaluation sets never depend on the knob
+    every = build_data(compose_config([*quiet, "data.view_miss=0"]).data, seed=0)
+    shown = every.sample(torch.Generator().manual_seed(0))
+    assert bool((torch.cat([shown.x, shown.x2]).flatten(1).abs().amax(1) > 0).all())
+    assert torch.equal(every.x_test, half.x_test) and torch.equal(every.x_train, half.x_train)
+    with pytest.raises(ValueError, match="view_miss"):
+        build_data(compose_config(["data=patterns", "data.view_miss=1.0"]).data, seed=0)
+
+
 def write_fake_cifar10(root, n_train=20, n_test=10):
     """A folder in CIFAR-10's python format (cifar-10-batches-py), with random images."""
     folder = root / "cifar-10-batches-py"

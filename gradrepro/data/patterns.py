@@ -36,6 +36,11 @@ class PatternsConfig(DataBase):
     background_grid: int = 4  # the background is bilinear noise on a grid this coarse
     pixel_noise: float = 0.5
     jitter: int = 1  # each view moves the template by up to this many pixels
+    # The probability that a training view is rendered without its template, as a random crop
+    # of a natural image sometimes misses the object: then no encoder can make every pair of
+    # views identical without collapsing (experiments/simsiam.md). 0: every view shows it, and
+    # no draw is made for it. The evaluation sets always show it.
+    view_miss: float = 0.0
     data_seed: int = 1234  # the templates and the held-out set; fixed across runs
 
 
@@ -49,6 +54,8 @@ class Patterns(ImageData):
         span = cfg.image_size - t - 2 * cfg.jitter + 1
         if span < 1:
             raise ValueError("patterns: image_size too small for template_size and jitter")
+        if not 0 <= cfg.view_miss < 1:
+            raise ValueError(f"patterns: view_miss is a probability below 1 (0 <= p < 1), not {cfg.view_miss}")
 
         def items(n: int) -> tuple[torch.Tensor, torch.Tensor]:
             y = torch.randint(0, cfg.num_classes, (n,), generator=g)
@@ -69,8 +76,9 @@ class Patterns(ImageData):
         self.templates_device = self.templates.to(device)
         return self
 
-    def render(self, y: torch.Tensor, pos: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-        """Nx1xSxS images: template of class y at pos (+ jitter) on a fresh background."""
+    def render(self, y: torch.Tensor, pos: torch.Tensor, g: torch.Generator, miss: float = 0.0) -> torch.Tensor:
+        """Nx1xSxS images: template of class y at pos (+ jitter) on a fresh background; each
+        image left without it with probability ``miss``."""
         cfg, device = self.cfg, y.device
         n, s, t = len(y), cfg.image_size, cfg.template_size
         templates = getattr(self, "templates_device", self.templates)
@@ -86,14 +94,18 @@ class Patterns(ImageData):
         rows = (top_left[:, 0:1] + ar)[:, :, None]  # NxTx1
         cols = (top_left[:, 1:2] + ar)[:, None, :]  # Nx1xT
         batch = torch.arange(n, device=device)[:, None, None]
-        images[batch, 0, rows, cols] += cfg.amplitude * templates[y]
+        amplitude = torch.full((n, 1, 1), cfg.amplitude, device=device)
+        if miss > 0:
+            amplitude *= (torch.rand(n, 1, 1, generator=g) >= miss).to(device)
+        images[batch, 0, rows, cols] += amplitude * templates[y]
         return images
 
     def sample(self, generator: torch.Generator) -> Batch:
         idx = torch.randint(len(self.y_train), (self.batch_size,), generator=generator)
         idx = idx.to(self.y_train.device)
         y, pos = self.y_train[idx], self.pos_train[idx]
-        x = self.render(y, pos, generator)
+        miss = self.cfg.view_miss
+        x = self.render(y, pos, generator, miss)
         if self.views:
-            return Batch(x, y, self.render(y, pos, generator))
+            return Batch(x, y, self.render(y, pos, generator, miss))
         return Batch(x, y)
