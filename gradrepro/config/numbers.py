@@ -29,7 +29,10 @@ INT_MAX = 2**53
 RANGES = {
     "distributed.timeout_s": (1.0, 7 * 24 * 3600.0, "seconds: from 1 s to one week"),
     "model.dropout": (0.0, 1.0, "a probability: >= 0 and < 1"),
+    "data.view_miss": (0.0, 1.0, "a probability: >= 0 and < 1"),
 }
+# Probabilities whose upper end is excluded: 1 would drop every unit, or every view's content.
+BELOW_HIGH = ("model.dropout", "data.view_miss")
 
 
 def numeric_leaves(node: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
@@ -61,7 +64,7 @@ def check_number(key: str, value: Any) -> None:
                         "config must be finite)")
     if key in RANGES:
         low, high, why = RANGES[key]
-        if not low <= value <= high or (key == "model.dropout" and value >= high):
+        if not low <= value <= high or (key in BELOW_HIGH and value >= high):
             raise UserError(f"{key}={value} is out of range ({why})")
         return
     signed = is_signed(key)
