@@ -202,6 +202,45 @@ def test_a_level_no_anchor_matched_is_information_and_a_zero_made_before_the_sel
         ("zero_gradient", "level_b.weight", "warning"), ("zero_gradient", "level_b.bias", "warning")}, str(report)
 
 
+
+class ReluRegression(nn.Module):
+    """A regression head with a ReLU on its outputs (as FCOS's), its loss read at the positions a
+    box matched through a comparison of the predictions (the overlap test of a GIoU loss, a
+    recorded cut on a side path). ``rounded``: the predictions rounded before the loss, a step
+    function whose derivative is zero at every entry, a bug."""
+
+    def __init__(self, rounded=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.reg = nn.Linear(6, 8), nn.Linear(8, 4)
+        self.rounded = rounded
+
+    def predict(self, x):
+        pred = torch.relu(self.reg(torch.tanh(self.trunk(x))))  # B x 4
+        return pred.round() if self.rounded else pred
+
+    def forward(self, x, matched):
+        chosen = self.predict(x)[matched]
+        overlap = chosen > 0.5  # no gradient through the mask, which the cut recorder sees
+        return (torch.where(overlap, chosen, 2 * chosen) - 1.0).pow(2).mean()
+
+
+def test_a_zero_the_matched_positions_make_through_a_relu_is_information_despite_a_cut_and_a_rounding_is_not():
+    model = ReluRegression()
+    with torch.no_grad():  # this batch matched only positions where the ReLU is off
+        matched = model.reg(torch.tanh(model.trunk(X))) <= 0
+    assert matched.any() and not matched.all()
+    report = diagnose(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda: model(X, matched))
+    zero = {f.name: f for f in report.findings if f.kind == "zero_gradient"}
+    assert set(zero) == {"trunk.weight", "trunk.bias", "reg.weight", "reg.bias"} and not report.flagged(), \
+        str(report)
+    assert all(f.severity == "info" for f in zero.values())
+    broken = ReluRegression(rounded=True)
+    report = diagnose(broken, torch.optim.SGD(broken.parameters(), lr=0.1), lambda: broken(X, ~matched))
+    assert {(f.kind, f.name, f.severity) for f in report.flagged()} == {
+        ("zero_gradient", n, "warning") for n in ("trunk.weight", "trunk.bias", "reg.weight", "reg.bias")}, \
+        str(report)
+
 class GainBeforeNorm(nn.Module):
     """A batch-norm gain whose output a ReLU, a per-feature scale and a second (train-mode)
     normalisation follow, as in timm's LCNetV2 (pointwise conv, BN, ReLU; the next block's

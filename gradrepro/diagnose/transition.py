@@ -236,8 +236,11 @@ def _explain(tr: Transition, closure: Callable[[], torch.Tensor]) -> None:
         tr.stochastic = causes.drawn_zeros(closure, tensors, [i for i in unexplained if tr.depends[i] is not True])
         if unexplained:
             tr.cuts = causes.cuts_by_tensor(causes.record_cuts(closure), tensors, unexplained)
+        # Tried on zeros with a recorded cut too: a cut that removes a path leaves no gradient
+        # (None), not a zero, so a tensor with a zero gradient has a differentiable path that a
+        # cut on a side path (a comparison that builds a mask from the predictions) does not zero.
         tr.selected = causes.selected_out(closure, tensors, [i for i in zero if i not in tr.zero_causes
-                                                             and i not in tr.stochastic and i not in tr.cuts])
+                                                             and i not in tr.stochastic])
         judged = tr.has & (tr.nonfinite == 0) & (tr.nonzero > 0) & (tr.p_norm > 0) & np.isfinite(tr.g_to_p)
         ordinary = {i for i in trainable if judged[i] and tr.state[i] == "finite"}
         tiny = [i for i in trainable if tr.state[i] == "tiny"]
