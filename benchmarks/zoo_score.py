@@ -5,11 +5,16 @@ warning or error, and how many crash.
     python benchmarks/zoo_score.py --half design            # the half the rules were designed on
     python benchmarks/zoo_score.py --half scored            # the half kept for scoring
     python benchmarks/zoo_score.py --half all --heldout     # other batch, input size, optimizer and seed
+    python benchmarks/zoo_score.py --half all --heldout2    # a second such variation, run once
     python benchmarks/zoo_score.py --models tv/resnet18 hf/gpt2 --json out.json
 
 Default run: plain SGD (lr 0.01), batch 2, each model's small input, 3 steps, seed 0.
 ``--heldout``: batch 3, inputs half as large again, Adam, AdamW or SGD with momentum (fixed
-per model by the hash of its name), seed 1. One thread; run it with ``nice``.
+per model by the hash of its name), seed 1. ``--heldout2``, fixed before it was first run and
+run once, after the last change to the checks it measures: batch 4, inputs a quarter as large
+again (``size + size // 4``), seed 2, and plain SGD, SGD with momentum, Adam or AdamW, fixed per
+model by the hash of ``"heldout2:" + name`` (another assignment than ``--heldout``'s, and plain
+SGD among them). One thread; run it with ``nice``.
 """
 
 from __future__ import annotations
@@ -36,13 +41,25 @@ def heldout_optimizer(name: str) -> str:
     return HELDOUT_OPTIMIZERS[int(hashlib.sha256(name.encode()).hexdigest(), 16) // 2 % len(HELDOUT_OPTIMIZERS)]
 
 
+HELDOUT2_OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
+
+
+def heldout2_optimizer(name: str) -> str:
+    digest = int(hashlib.sha256(f"heldout2:{name}".encode()).hexdigest(), 16)
+    return HELDOUT2_OPTIMIZERS[digest % len(HELDOUT2_OPTIMIZERS)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--half", choices=("design", "scored", "all"), default="design")
     parser.add_argument("--models", nargs="*", default=None, help="names from tests/zoo.py (overrides --half)")
     parser.add_argument("--heldout", action="store_true", help="other batch, input size, optimizer and seed")
+    parser.add_argument("--heldout2", action="store_true", help="a second variation: batch 4, inputs 1.25x, seed 2")
     parser.add_argument("--json", default=None, help="write every outcome here")
     args = parser.parse_args(argv)
+    if args.heldout and args.heldout2:
+        print("--heldout and --heldout2 are two variations: choose one", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)
     zoo_entries = zoo.entries()
     unknown = [m for m in args.models or [] if m not in zoo_entries]
@@ -55,10 +72,15 @@ def main(argv: list[str] | None = None) -> int:
         entry, start = zoo_entries[name], time.perf_counter()
         if args.heldout:
             out = zoo.run(entry, heldout_optimizer(name), batch=3, size=entry.size + entry.size // 2, seed=1)
+        elif args.heldout2:
+            out = zoo.run(entry, heldout2_optimizer(name), batch=4, size=entry.size + entry.size // 4, seed=2)
         else:
             out = zoo.run(entry)
         seconds = time.perf_counter() - start
-        rows.append({"model": name, "half": zoo.half(name), "flagged": out.flagged, "kinds": out.kinds,
+        optimizer = (heldout_optimizer(name) if args.heldout else heldout2_optimizer(name) if args.heldout2
+                     else "sgd")
+        rows.append({"model": name, "half": zoo.half(name), "optimizer": optimizer, "flagged": out.flagged,
+                     "kinds": out.kinds,
                      "crash": out.crash, "unfit": out.unfit, "seconds": round(seconds, 2),
                      "load": os.getloadavg()[0]})
         if args.json:  # after every model, so that a run stopped part-way keeps what it measured
@@ -80,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 def write(args: argparse.Namespace, rows: list[dict]) -> None:
     path = Path(args.json)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps({"heldout": args.heldout, "half": args.half, "rows": rows}, indent=1))
+    tmp.write_text(json.dumps({"heldout": args.heldout, "heldout2": args.heldout2, "half": args.half, "rows": rows},
+                              indent=1))
     tmp.replace(path)
 
 

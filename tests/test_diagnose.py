@@ -243,6 +243,40 @@ def test_a_zeroing_loop_whose_last_gradient_was_large_leaves_no_stale_gradient()
     assert "one backward pass alone" in note.detail
 
 
+class IndexedTable(nn.Module):
+    """A bias table read by index, one entry twice: the index's backward sums into its buffer in
+    place, so the table's .grad is at version 1 after a single backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.mid, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.table = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x):
+        h = torch.tanh(self.mid(torch.tanh(self.inp(x))))
+        return self.head(h) + self.table[torch.tensor([0, 1, 1])]
+
+
+def test_a_tensor_whose_one_backward_sums_in_place_is_not_stale_in_a_zeroing_loop():
+    for zero_grad in (True, False):
+        net = IndexedTable()
+        opt = sgd(net)
+        for scale in (1.0, 1.0, 10.0):  # the last gradient is many times a fresh one
+            if zero_grad:
+                opt.zero_grad()
+            (scale * loss_of(net)()).backward()
+            opt.step()
+        assert net.table.grad._version > 0
+        report = diagnose(net, opt, loss_of(net))
+        stale = {f.name for f in report.findings if f.kind == "stale_gradient"}
+        if zero_grad:
+            assert not report.flagged(), str(report)
+            assert "leftover_gradient" in {f.kind for f in report.findings}, str(report)
+        else:
+            assert stale == {n for n, _ in net.named_parameters()}, str(report)
+
+
 def test_no_graph_under_no_grad_and_inference_mode():
     net = Net()
     for context in (torch.no_grad, torch.inference_mode):

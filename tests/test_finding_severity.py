@@ -202,6 +202,45 @@ def test_a_level_no_anchor_matched_is_information_and_a_zero_made_before_the_sel
         ("zero_gradient", "level_b.weight", "warning"), ("zero_gradient", "level_b.bias", "warning")}, str(report)
 
 
+
+class ReluRegression(nn.Module):
+    """A regression head with a ReLU on its outputs (as FCOS's), its loss read at the positions a
+    box matched through a comparison of the predictions (the overlap test of a GIoU loss, a
+    recorded cut on a side path). ``rounded``: the predictions rounded before the loss, a step
+    function whose derivative is zero at every entry, a bug."""
+
+    def __init__(self, rounded=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.reg = nn.Linear(6, 8), nn.Linear(8, 4)
+        self.rounded = rounded
+
+    def predict(self, x):
+        pred = torch.relu(self.reg(torch.tanh(self.trunk(x))))  # B x 4
+        return pred.round() if self.rounded else pred
+
+    def forward(self, x, matched):
+        chosen = self.predict(x)[matched]
+        overlap = chosen > 0.5  # no gradient through the mask, which the cut recorder sees
+        return (torch.where(overlap, chosen, 2 * chosen) - 1.0).pow(2).mean()
+
+
+def test_a_zero_the_matched_positions_make_through_a_relu_is_information_despite_a_cut_and_a_rounding_is_not():
+    model = ReluRegression()
+    with torch.no_grad():  # this batch matched only positions where the ReLU is off
+        matched = model.reg(torch.tanh(model.trunk(X))) <= 0
+    assert matched.any() and not matched.all()
+    report = diagnose(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda: model(X, matched))
+    zero = {f.name: f for f in report.findings if f.kind == "zero_gradient"}
+    assert set(zero) == {"trunk.weight", "trunk.bias", "reg.weight", "reg.bias"} and not report.flagged(), \
+        str(report)
+    assert all(f.severity == "info" for f in zero.values())
+    broken = ReluRegression(rounded=True)
+    report = diagnose(broken, torch.optim.SGD(broken.parameters(), lr=0.1), lambda: broken(X, ~matched))
+    assert {(f.kind, f.name, f.severity) for f in report.flagged()} == {
+        ("zero_gradient", n, "warning") for n in ("trunk.weight", "trunk.bias", "reg.weight", "reg.bias")}, \
+        str(report)
+
 class GainBeforeNorm(nn.Module):
     """A batch-norm gain whose output a ReLU, a per-feature scale and a second (train-mode)
     normalisation follow, as in timm's LCNetV2 (pointwise conv, BN, ReLU; the next block's
@@ -241,3 +280,65 @@ def test_a_tiny_gain_with_an_ordinary_gradient_behind_it_is_information_and_a_va
     vanishing = Attenuated()
     report = diagnose(vanishing, torch.optim.SGD(vanishing.parameters(), lr=0.1), ce(vanishing))
     assert {f.name for f in report.flagged() if f.kind == "tiny_gradient"} >= {"inp.weight", "mid.weight"}, str(report)
+
+
+class PreNormBranch(nn.Module):
+    """A pre-norm residual block (h + fc2(gelu(fc1(norm(h))))) at a transformer's init: weights
+    at a small std, biases near zero, the layer normalisation's gain at 1. The gain's values
+    are large beside the rest, so its grad/param ratio falls past ``tiny_factor`` below the
+    median (the std 0.01 and width 32 were chosen to put it there) although the gradient that
+    reaches it is not attenuated. ``branch_scale`` 1e-5 scales the branch down: then the gradient
+    reaching the block is attenuated, a bug."""
+
+    def __init__(self, branch_scale=1.0, width=32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.norm, self.head = nn.Linear(6, width), nn.LayerNorm(width), nn.Linear(width, 3)
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
+        self.branch_scale = branch_scale
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for lin in (self.inp, self.fc1, self.fc2, self.head):
+                lin.weight.normal_(0, 0.01, generator=g)
+                lin.bias.normal_(0, 1e-3, generator=g)
+            self.norm.bias.normal_(0, 1e-3, generator=g)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.head(h + self.branch_scale * self.fc2(F.gelu(self.fc1(self.norm(h)))))
+
+
+def test_a_gain_at_one_reached_by_an_unattenuated_gradient_is_information_and_a_scaled_down_branch_a_warning():
+    healthy = PreNormBranch()
+    report = diagnose(healthy, torch.optim.SGD(healthy.parameters(), lr=0.1), ce(healthy))
+    tiny = {f.name: f for f in report.findings if f.kind == "tiny_gradient"}
+    assert "norm.weight" in tiny and not report.flagged(), str(report)
+    assert tiny["norm.weight"].severity == "info" and "not attenuated" in tiny["norm.weight"].detail
+    broken = PreNormBranch(branch_scale=1e-5)
+    report = diagnose(broken, torch.optim.SGD(broken.parameters(), lr=0.1), ce(broken))
+    assert ("tiny_gradient", "norm.weight", "warning") in {(f.kind, f.name, f.severity) for f in report.findings}, \
+        str(report)
+
+
+class DeepTanh(nn.Module):
+    """A plain 32-layer tanh network at PyTorch's default init (weights of std 1/sqrt(3 fan_in)):
+    each layer multiplies the gradient by about 1/sqrt(3), so it vanishes toward the input."""
+
+    def __init__(self, depth=30, width=16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.head = nn.Linear(6, width), nn.Linear(width, 3)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+def test_a_gradient_vanishing_through_depth_stays_a_warning():
+    model = DeepTanh()
+    report = diagnose(model, torch.optim.SGD(model.parameters(), lr=0.1), ce(model))
+    assert ("tiny_gradient", "inp.bias", "warning") in {(f.kind, f.name, f.severity) for f in report.findings}, \
+        str(report)

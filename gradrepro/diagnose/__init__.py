@@ -27,7 +27,8 @@ differences).
    zero and missing gradients are traced to known causes (``causes``: a zero-initialised
    weight downstream, a non-differentiable operation, an unused output, a selection by index
    that took none of a tensor's entries on this batch), and tiny ones told from a vanishing
-   gradient by the tensors behind their operation;
+   gradient by the tensors behind their operation and by the gradient the same incoming norms
+   give in random directions;
 4. one ``optimizer.step()`` (unless ``step=False``); the gradient the optimizer used is
    compared with the loss's (``used_gradient``: scaled, zeroed, sign-flipped, ...), and every
    parameter's actual change with the change the optimizer's rule predicts from the gradient
@@ -86,10 +87,11 @@ def diagnose(
 
     ``closure()`` computes and returns the scalar loss (no backward, no zero_grad: diagnose does
     both). ``tiny_factor``: a gradient is tiny when its grad/param ratio is this many times below
-    the model's median. ``stale_factor``: a gradient present before the call that was added to in place
-    (its version counter is not 0) is stale when it is more than this many times the fresh one
-    (backward passes summed); one written by a single backward (version 0), or about the size of
-    a fresh one, is what a loop that zeroes at the start of each step leaves behind.
+    the model's median. ``stale_factor``: a gradient present before the call that was added to
+    in place (its version counter above the one a single backward leaves on that tensor) is stale
+    when it is more than this many times the fresh one (backward passes summed); one written by a
+    single backward, or about the size of a fresh one, is what a loop that zeroes at the start of
+    each step leaves behind.
     ``fp16_fraction``: share of non-zero entries below fp16's flush threshold that raises
     ``fp16_underflow``, where the gradient is in fp16 (an fp16 tensor or fp16 autocast).
     Severities follow ``gradrepro.diagnose.severity``.

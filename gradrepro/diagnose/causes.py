@@ -23,7 +23,10 @@ itself rather than guessed from names:
 
 And for a tiny gradient, whether the gradient reaching the operation the tensor enters is
 attenuated (a vanishing gradient attenuates every tensor behind that operation too) or not
-(``ordinary_behind``: the tensor's small gradient is its own role there). And for a tensor
+(``ordinary_behind``: the tensor's small gradient is its own role there), and whether a
+gradient of the same size reaching that operation in a random direction would still leave it
+tiny (``unaligned_gradients``: if not, the gradient is small by its alignment, not attenuated).
+And for a tensor
 with no gradient at all, whether the loss depends on it (``loss_depends``:
 nudged, does the loss move?), which tells a severed path from an unused one.
 """
@@ -38,7 +41,16 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from gradrepro.diagnose.graph import all_finite, call_site, leaves_behind_inputs, leaves_of, nodes_of, wide
+from gradrepro.diagnose.graph import (
+    all_finite,
+    call_site,
+    dense,
+    leaves_behind_inputs,
+    leaves_of,
+    nodes_of,
+    operations_entered,
+    wide,
+)
 
 # torch.round/floor/ceil/trunc/sign are step functions: autograd defines their derivative as 0.
 ZERO_DERIVATIVE = frozenset({"round", "round_", "floor", "floor_", "ceil", "ceil_", "trunc", "trunc_", "fix",
@@ -305,3 +317,69 @@ def ordinary_behind(closure: Callable[[], Any], tensors: list[torch.Tensor], tin
             return {}
         found = leaves_behind_inputs(loss.grad_fn, {id(tensors[i]) for i in tiny}, accepted.__contains__)
     return {index[leaf]: index[behind] for leaf, behind in found.items()}
+
+
+def unaligned_gradients(closure: Callable[[], Any], tensors: list[torch.Tensor], tiny: list[int],
+                        seed: int = 0) -> dict[int, float]:
+    """Index of a tiny-gradient tensor -> the norm of the gradient it gets when the gradient
+    reaching each operation it enters keeps its norm but takes a random direction. A vanishing
+    gradient (attenuated through depth, a scaled-down branch) or a small input to the operation
+    keeps it small, for it is small in every direction; a gradient much larger than the real one
+    says that the gradient reaching the operation is not attenuated and the tensor's own is
+    small because that gradient is nearly orthogonal to what the tensor changes (a gain whose
+    scale a normalisation after it cancels, a sum over positions whose terms cancel). Two
+    backward passes: the first reads the norms, the second replaces the gradients by random
+    ones of those norms (so a replacement nearer the loss does not change the norm another gets)."""
+    if not tiny:
+        return {}
+    with torch.random.fork_rng(), torch.enable_grad():
+        loss = _loss(closure, seed)
+        if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+            return {}
+        entered = operations_entered(loss.grad_fn, {id(tensors[i]) for i in tiny})
+        ops = list(dict.fromkeys(op for found in entered.values() for op in found))
+        wanted = [i for i in tiny if id(tensors[i]) in entered]
+        if not ops or not wanted:
+            return {}
+        norms: dict = {}
+        _grad_with_hooks(loss, [tensors[i] for i in wanted], ops, lambda op: _reading(op, norms), retain=True)
+        generator = torch.Generator().manual_seed(seed)
+        grads = _grad_with_hooks(loss, [tensors[i] for i in wanted], ops,
+                                 lambda op: _randomising(norms.get(op), generator), retain=False)
+    return {i: float(torch.linalg.vector_norm(wide(g))) for i, g in zip(wanted, grads)
+            if g is not None and all_finite(dense(g))}
+
+
+def _grad_with_hooks(loss: torch.Tensor, inputs: list[torch.Tensor], ops: list, hook_of: Callable,
+                     retain: bool) -> tuple:
+    handles = [op.register_prehook(hook_of(op)) for op in ops]
+    try:
+        return torch.autograd.grad(loss, inputs, retain_graph=retain, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _reading(op: object, norms: dict) -> Callable:
+    def hook(grad_outputs: tuple) -> None:
+        norms[op] = [None if g is None or g.is_sparse else float(torch.linalg.vector_norm(wide(g)))
+                     for g in grad_outputs]
+    return hook
+
+
+def _randomising(norms: list | None, generator: torch.Generator) -> Callable:
+    def hook(grad_outputs: tuple) -> tuple | None:
+        if norms is None:
+            return None
+        out = []
+        for g, norm in zip(grad_outputs, norms):
+            if g is None or norm is None or g.is_sparse or not math.isfinite(norm):
+                out.append(g)
+                continue
+            r = torch.randn(g.shape, generator=generator,
+                            dtype=torch.complex128 if g.is_complex() else torch.float64)
+            size = float(torch.linalg.vector_norm(r))
+            out.append((r * (norm / size if size > 0 else 0.0)).to(dtype=g.dtype, device=g.device))
+        return tuple(out)
+    return hook
+

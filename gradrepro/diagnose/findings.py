@@ -125,7 +125,7 @@ def _gradient_findings(tr: Transition, fp16_fraction: float, tiny_factor: float)
             findings.append(Finding("nonfinite_gradient", r.name, f"{int(tr.nonfinite[i])} of {int(tr.numel[i])} "
                                     "gradient entries are NaN or Inf", ERROR))
         elif state[i] == "tiny":
-            findings.append(redundant or _tiny(tr, i, small))
+            findings.append(redundant or _tiny(tr, i, small, tiny_factor))
         # A precision finding only where the gradient is in float16: a float16 tensor, or the loss
         # computed under float16 autocast (in float32 nothing flushes).
         in_fp16 = tr.fp16 or t.dtype == torch.float16
@@ -202,10 +202,12 @@ def _small_by_design(tr: Transition, tiny_factor: float) -> list[int]:
     return [int(k) for k in np.flatnonzero(movable & (rms < median / tiny_factor))]
 
 
-def _tiny(tr: Transition, i: int, small: list[int]) -> Finding:
+def _tiny(tr: Transition, i: int, small: list[int], tiny_factor: float) -> Finding:
     """A warning where the gradient reaching the tensor's operation is attenuated (a vanishing
-    gradient); information where a gain small by design is in the model, or where a tensor
-    behind the operation has an ordinary gradient (the smallness is the tensor's own role)."""
+    gradient); information where a gain small by design is in the model, where a tensor behind
+    the operation has an ordinary gradient, or where the gradient it would get from the same
+    incoming norms in random directions is of the reference tensors' size (the smallness is the
+    tensor's own size or role)."""
     detail = f"grad/param ratio {tr.g_to_p[i]:.3g} is {tr.median / tr.g_to_p[i]:.3g} times below the model's median " \
              f"{tr.median:.3g}"
     if i in tr.unattenuated and not small:
@@ -217,6 +219,16 @@ def _tiny(tr: Transition, i: int, small: list[int]) -> Finding:
             "mostly cancels, a small input), not a vanishing gradient; gradrepro.record says when it holds at "
             f"{PERSIST_STEPS} logged steps in a row"),
             INFO)
+    reach = _unattenuated_reach(tr, i, tiny_factor)
+    if reach is not None and not small:
+        return Finding("tiny_gradient", tr.rows[i].name, detail + (
+            f"; the gradient that reaches it is not attenuated: with the gradient reaching its operation kept in "
+            f"norm and given a random direction, its gradient is {reach:.3g} times below the median of the tensors "
+            f"at or above the median ratio, not {tiny_factor:g} times (a vanishing gradient or a small input to its "
+            "operation keeps it that far below in every direction). Its ratio is small by its own size or role (a "
+            "gain at 1 beside small weights, a scale that a normalisation after it cancels), not by attenuation; "
+            f"gradrepro.record says when it holds at {PERSIST_STEPS} logged steps in a row"),
+            INFO)
     if small:
         names = ", ".join(tr.rows[k].name for k in small[:4]) + (" ..." if len(small) > 4 else "")
         return Finding("tiny_gradient", tr.rows[i].name, detail + (
@@ -225,6 +237,23 @@ def _tiny(tr: Transition, i: int, small: list[int]) -> Finding:
             f"that from a vanishing gradient: gradrepro.record says when it holds at {PERSIST_STEPS} logged steps in "
             "a row"), INFO)
     return Finding("tiny_gradient", tr.rows[i].name, detail, WARNING)
+
+
+def _unattenuated_reach(tr: Transition, i: int, tiny_factor: float) -> float | None:
+    """How far the tensor's gradient with random incoming directions (``causes.unaligned_gradients``:
+    the gradient reaching each operation it enters keeps its norm, not its direction) falls below
+    the median of the same quantity over the reference tensors, where it is not ``tiny_factor``
+    below it (the gradient reaching it and its operation's input are of ordinary size); None
+    otherwise. The reference tensors are those the tiny rule measures against: a ratio at or
+    above the model's median. Not all tensors that are not tiny: where a vanishing gradient
+    attenuates much of the model, those include the attenuated ones (the ratio's median moves
+    with them), and the reference would move toward the tensor judged."""
+    ordinary = [tr.unaligned[j] for j in tr.unaligned if tr.state[j] == "finite" and tr.g_to_p[j] >= tr.median]
+    if i not in tr.unaligned or not ordinary:
+        return None
+    reference = float(np.median(ordinary))
+    below = reference / tr.unaligned[i] if tr.unaligned[i] > 0 else math.inf
+    return below if below <= tiny_factor else None
 
 
 def _zero_init_findings(tr: Transition) -> list[Finding]:
@@ -262,9 +291,13 @@ def _accumulation_findings(tr: Transition, stale_factor: float) -> list[Finding]
     total = float(np.sqrt(np.sum(before_norm[both] ** 2))) if both.any() else math.inf
     ratio = total / fresh_total if fresh_total > 0 else math.inf
     # Autograd adds a second backward's gradient into .grad in place, which bumps the tensor's
-    # version counter; a .grad at version 0 was written by one backward alone (what a loop that
-    # sets gradients to None before each backward leaves), so it cannot be a sum of them.
-    single = all(tr.grads_before[i]._version == 0 for i in np.flatnonzero(present))
+    # version counter. One backward alone can leave a version above 0 too (a tensor used by
+    # several operations whose gradients the engine sums in place, an index backward that
+    # writes into its buffer): diagnose's own backward, made into an empty .grad, gives that
+    # tensor's count. A .grad at no more than that count was written by one backward alone
+    # (what a loop that sets gradients to None before each backward leaves), not a sum of them.
+    added = [int(i) for i in np.flatnonzero(present) if _added_in_place(tr, int(i))]
+    single = not added
     finite = bool(np.isfinite(before_norm[present]).all())
     if finite and (single or (both.any() and ratio <= stale_factor)):
         how = ("each written by one backward pass alone (none was added to in place)" if single else
@@ -273,7 +306,7 @@ def _accumulation_findings(tr: Transition, stale_factor: float) -> list[Finding]
             f"{int(present.sum())} tensor(s) held a gradient from an earlier backward, {how}: what a loop that "
             "zeroes before each backward leaves after its step; diagnose used a fresh gradient"), INFO)]
     findings = []
-    for i in np.flatnonzero(present):
+    for i in added:
         own = before_norm[i] / g_norm[i] if tr.has[i] and g_norm[i] > 0 else math.inf
         findings.append(Finding("stale_gradient", tr.rows[i].name, (
             f"a gradient was already in .grad before the diagnostic backward, added to in place since it was made "
@@ -281,6 +314,13 @@ def _accumulation_findings(tr: Transition, stale_factor: float) -> list[Finding]
             "no zero_grad at the accumulation boundary? One snapshot cannot tell that from in-place clipping and "
             "a large earlier gradient; gradrepro.record's live check tells exactly"), WARNING))
     return findings
+
+
+def _added_in_place(tr: Transition, i: int) -> bool:
+    """Was the ``.grad`` found before the call changed in place after the backward that made
+    it: its version counter above the one diagnose's own backward leaves on that tensor?"""
+    one_backward = tr.fresh_versions[i] if tr.fresh_versions and tr.fresh_versions[i] is not None else 0
+    return tr.grads_before[i]._version > one_backward
 
 
 def _context_findings(tr: Transition, model: nn.Module) -> list[Finding]:

@@ -104,6 +104,23 @@ def leaves_behind_inputs(root: object, leaf_ids: set[int], accept: Callable[[int
 _BEHIND_LIMIT = 64
 
 
+def operations_entered(root: object, leaf_ids: set[int]) -> dict[int, list]:
+    """id(leaf) -> the operations it enters in the graph behind ``root``: the first nodes above
+    its ``AccumulateGrad`` that take more than one input (through a view or ``.t()`` of the leaf
+    alone), one per use of the leaf."""
+    parents: dict = {}
+    accumulate: dict[int, object] = {}
+    for node in nodes_of(root):
+        leaf = getattr(node, "variable", None)
+        if isinstance(leaf, torch.Tensor) and id(leaf) in leaf_ids:
+            accumulate[id(leaf)] = node
+        for child, _ in getattr(node, "next_functions", ()):
+            if child is not None:
+                parents.setdefault(child, []).append(node)
+    return {leaf: list(dict.fromkeys(op for op, _ in _operations_above(start, parents)))
+            for leaf, start in accumulate.items()}
+
+
 def _operations_above(start: object, parents: dict) -> list:
     """(operation, the child it was reached from): the first nodes above ``start`` with more
     than one input, climbing through one-input nodes (a view or ``.t()`` of the leaf alone)."""

@@ -47,6 +47,7 @@ class Transition:
     # -- after backward (``_classify``, ``_explain``)
     grads: list = field(default_factory=list)  # the loss's gradient (copies; hooks on the tensors suspended)
     after_backward: list = field(default_factory=list)  # .grad right after backward (copies)
+    fresh_versions: list = field(default_factory=list)  # .grad's version counter after one backward (None: no .grad)
     has: _Array = None
     g_norm: _Array = None
     p_norm: _Array = None
@@ -67,6 +68,7 @@ class Transition:
     cuts: dict = field(default_factory=dict)  # index -> the calls that cut or flatten its path
     selected: dict = field(default_factory=dict)  # index -> the selections that took none of its entries
     unattenuated: dict = field(default_factory=dict)  # tiny index -> index of an ordinary gradient behind its op
+    unaligned: dict = field(default_factory=dict)  # index -> its gradient's norm with random incoming directions
     # -- around the step (``_step_and_predict``)
     at_step: list = field(default_factory=list)  # the parameters as the step found them (after forward)
     forward_changed: _Array = None  # the forward pass itself changed the parameter
@@ -111,6 +113,7 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
         if tr.graph:
             _backward(loss)
         del loss
+        tr.fresh_versions = [None if t.grad is None else t.grad._version for t in tensors]
         tr.after_backward = [None if t.grad is None else t.grad.detach().clone() for t in tensors]
         tr.grads = tr.after_backward if unhooked is None else unhooked
         _, nonleaf_after = scan_attributes(model, {id(t) for t in tensors} | {id(b) for b, _ in buffers})
@@ -233,12 +236,17 @@ def _explain(tr: Transition, closure: Callable[[], torch.Tensor]) -> None:
         tr.stochastic = causes.drawn_zeros(closure, tensors, [i for i in unexplained if tr.depends[i] is not True])
         if unexplained:
             tr.cuts = causes.cuts_by_tensor(causes.record_cuts(closure), tensors, unexplained)
+        # Tried on zeros with a recorded cut too: a cut that removes a path leaves no gradient
+        # (None), not a zero, so a tensor with a zero gradient has a differentiable path that a
+        # cut on a side path (a comparison that builds a mask from the predictions) does not zero.
         tr.selected = causes.selected_out(closure, tensors, [i for i in zero if i not in tr.zero_causes
-                                                             and i not in tr.stochastic and i not in tr.cuts])
+                                                             and i not in tr.stochastic])
         judged = tr.has & (tr.nonfinite == 0) & (tr.nonzero > 0) & (tr.p_norm > 0) & np.isfinite(tr.g_to_p)
         ordinary = {i for i in trainable if judged[i] and tr.state[i] == "finite"}
-        tr.unattenuated = causes.ordinary_behind(closure, tensors, [i for i in trainable if tr.state[i] == "tiny"],
-                                                 ordinary)
+        tiny = [i for i in trainable if tr.state[i] == "tiny"]
+        tr.unattenuated = causes.ordinary_behind(closure, tensors, tiny, ordinary)
+        if any(i not in tr.unattenuated for i in tiny):
+            tr.unaligned = causes.unaligned_gradients(closure, tensors, [i for i in trainable if judged[i]])
     except Exception as exc:  # noqa: BLE001 - the user's closure may do anything
         tr.notes.append(f"causes of missing/zero gradients not examined: the closure failed on a rerun ({exc})")
 
