@@ -18,8 +18,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 from torch import nn
+from torch.optim import optimizer as torch_optimizer
 
-from gradrepro.diagnose import causes
+from gradrepro.diagnose import causes, float32_check
 from gradrepro.diagnose.graph import all_finite, dense, feeds_normaliser, wide
 from gradrepro.diagnose.inputs import DiagnoseValueError, check_loss
 from gradrepro.diagnose.registration import Row, optimizer_members, scan_attributes
@@ -46,7 +47,8 @@ class Transition:
     rtol: float = 1e-3  # tolerance of the update check and of "scaled by c", relative
     # -- after backward (``_classify``, ``_explain``)
     grads: list = field(default_factory=list)  # the loss's gradient (copies; hooks on the tensors suspended)
-    after_backward: list = field(default_factory=list)  # .grad right after backward (copies)
+    after_backward: list = field(default_factory=list)  # .grad after backward (a copy where hooks could rewrite it)
+    grad_versions: list = field(default_factory=list)  # version counters of the uncopied ones
     has: _Array = None
     g_norm: _Array = None
     p_norm: _Array = None
@@ -67,6 +69,7 @@ class Transition:
     cuts: dict = field(default_factory=dict)  # index -> the calls that cut or flatten its path
     selected: dict = field(default_factory=dict)  # index -> the selections that took none of its entries
     unattenuated: dict = field(default_factory=dict)  # tiny index -> index of an ordinary gradient behind its op
+    scratch: Any = None  # float32 buffers of the float32 arithmetic (``float32_check.Scratch``), freed at the end
     # -- around the step (``_step_and_predict``)
     at_step: list = field(default_factory=list)  # the parameters as the step found them (after forward)
     forward_changed: _Array = None  # the forward pass itself changed the parameter
@@ -86,7 +89,16 @@ class Transition:
 
 
 def _norm(t: torch.Tensor | None) -> float:
-    return math.nan if t is None else float(torch.linalg.vector_norm(wide(t)))
+    """The 2-norm: of a large float32 tensor in float32 where that is certain to within a
+    relative 1e-4 of the float64 norm (``float32_check.norm``: within 6.2e-5 by its bound,
+    about 1e-9 in practice), else in float64 (a float64 copy of the tensor)."""
+    if t is None:
+        return math.nan
+    if float32_check.fits(t):
+        value = float32_check.norm(t)
+        if value is not None:
+            return value
+    return float(torch.linalg.vector_norm(wide(t)))
 
 
 def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: Callable[[], torch.Tensor],
@@ -111,7 +123,13 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
         if tr.graph:
             _backward(loss)
         del loss
-        tr.after_backward = [None if t.grad is None else t.grad.detach().clone() for t in tensors]
+        # A copy of .grad right after backward where code can still rewrite it in place before
+        # the step reads it (hooks); otherwise .grad itself, with its version counter checked after
+        # the step (``_step_and_predict``): one copy of the gradients less.
+        copy = unhooked is not None or grads_may_be_rewritten(optimizer)
+        tr.after_backward = [None if t.grad is None else (t.grad.detach().clone() if copy else t.grad)
+                             for t in tensors]
+        tr.grad_versions = [None if copy or g is None else g._version for g in tr.after_backward]
         tr.grads = tr.after_backward if unhooked is None else unhooked
         _, nonleaf_after = scan_attributes(model, {id(t) for t in tensors} | {id(b) for b, _ in buffers})
         orphans = {r.orphan_of for r in rows if r.orphan_of}
@@ -129,12 +147,26 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
             b.copy_(saved)
         _step_and_predict(tr, optimizer, step, rtol)
     finally:
+        tr.scratch = None
         for t, g in zip(tensors, tr.grads_before):
             t.grad = g
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
     return tr
+
+
+def grads_may_be_rewritten(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether code the transition does not write runs between backward and the point where
+    the step's gradient is read: a step pre- or post-hook (the optimizer's or a global one) or
+    a ``step`` not torch's own (a subclass's, which may rescale .grad before the update)."""
+    hooks = (getattr(optimizer, "_optimizer_step_pre_hooks", None),
+             getattr(optimizer, "_optimizer_step_post_hooks", None),
+             getattr(torch_optimizer, "_global_optimizer_pre_hooks", None),
+             getattr(torch_optimizer, "_global_optimizer_post_hooks", None))
+    if any(h is None or len(h) > 0 for h in hooks):
+        return True
+    return not getattr(type(optimizer).step, "__module__", "").startswith("torch.optim.")
 
 
 def _fresh_loss(closure: Callable[[], torch.Tensor], tensors: list[torch.Tensor],
@@ -191,17 +223,35 @@ def _nonfinite(g: torch.Tensor | None, norm: float) -> float:
     return float((~torch.isfinite(g)).sum())
 
 
+def _scratch(tr: Transition) -> float32_check.Scratch:
+    """The transition's float32 buffers (``float32_check.Scratch``), made on first use."""
+    if tr.scratch is None:
+        sizes = [t.numel() for t in tr.tensors if float32_check.fits(t)]
+        tr.scratch = float32_check.Scratch(max(sizes, default=0), tr.tensors[0].device if tr.tensors else "cpu")
+    return tr.scratch
+
+
+def _flushed(g: torch.Tensor, tr: Transition) -> float:
+    """How many entries fp16 would flush to zero (|g| <= 2^-24, zeros included); a large float32
+    gradient's count is taken in a reused buffer (an allocation per tensor cost more than the count)."""
+    if float32_check.fits(g) and tr.scratch is not None and tr.scratch.holds(g):
+        buf = tr.scratch.take(g.numel())[0]
+        return float(torch.count_nonzero(torch.abs(g.reshape(-1), out=buf).le_(FP16_FLUSH)))
+    return float((g.abs() <= FP16_FLUSH).sum())
+
+
 def _classify(tr: Transition, tiny_factor: float) -> None:
     """Every gradient's statistics and state; registered tensors are judged among themselves,
     as the probe (which sees registered tensors only) judges them."""
     tensors = tr.tensors
     grads = [None if g is None else dense(g) for g in tr.grads]
+    _scratch(tr)
     has = np.array([g is not None for g in grads])
     g_norm = np.array([_norm(g) for g in grads])
     p_norm = np.array([_norm(t) for t in tr.before])
     nonzero = np.array([float(torch.count_nonzero(g)) if g is not None else 0.0 for g in grads])
     nonfinite = np.array([_nonfinite(g, norm) for g, norm in zip(grads, g_norm)])
-    small = np.array([float((g.abs() <= FP16_FLUSH).sum()) if g is not None else 0.0 for g in grads])
+    small = np.array([_flushed(g, tr) if g is not None else 0.0 for g in grads])
     numel = np.array([float(t.numel()) for t in tensors])
     with np.errstate(divide="ignore", invalid="ignore"):
         g_to_p = g_norm / np.where(p_norm > 0, p_norm, np.nan)
@@ -268,6 +318,12 @@ def _step_and_predict(tr: Transition, optimizer: torch.optim.Optimizer, step: bo
             handle.remove()
         tr.stepped = True
     tr.used = [t.grad if t.grad is not None or not tr.stepped else seen.get(i) for i, t in enumerate(tensors)]
+    rewritten = [tr.rows[i].name for i, v in enumerate(tr.grad_versions)
+                 if v is not None and tr.after_backward[i]._version != v]
+    if rewritten:  # in place, by code no hook announced (the closure's reruns, a module hook)
+        tr.notes.append(f"the gradient of {len(rewritten)} tensor(s) ({', '.join(rewritten[:4])}) was rewritten in "
+                        "place between backward and the step by code outside the optimizer's hooks; how it "
+                        "changed is not known (no copy was kept)")
     tr.changes = [_change(tr, i, rtol) for i in range(n)]
     tr.rule = rule_name(optimizer)
     if tr.rule is None:
@@ -275,19 +331,32 @@ def _step_and_predict(tr: Transition, optimizer: torch.optim.Optimizer, step: bo
     changed = np.zeros(n, dtype=bool)
     update_norm, expected, rel_err = np.full(n, math.nan), np.full(n, math.nan), np.full(n, math.nan)
     matches = np.ones(n, dtype=bool)
+    scratch = _scratch(tr)
+    sgd = tr.rule == "sgd"
     for i, t in enumerate(tensors):
         after, start, used = t.detach(), tr.at_step[i], tr.used[i]
         changed[i] = not torch.equal(after, start)
-        # Each side widened once and reused below (each is a float64 copy of the tensor).
-        after64, start64 = wide(after), wide(start)
-        update_norm[i] = _norm(after64 - start64)
-        if not tr.stepped or id(t) not in members or used is None:
+        predicted_here = tr.stepped and id(t) in members and used is not None
+        if not predicted_here:
+            update_norm[i] = _moved(tr, after, start) if changed[i] else 0.0
             expected[i] = 0.0  # the optimizer skips a None gradient; a non-member is never touched
             matches[i] = not changed[i]
             rel_err[i] = 0.0 if not changed[i] else math.inf
             continue
-        if not all_finite(dense(used)):
+        if not all_finite(dense(used)) or tr.rule is None:
+            update_norm[i] = _moved(tr, after, start) if changed[i] else 0.0
             continue  # no update to predict from a NaN/Inf gradient (its own finding says so)
+        # SGD in float32 where its rounding bound decides the check (float32_check); else float64.
+        verdict = (float32_check.sgd_check(after, start, used, states_before[i], members[id(t)][1], rtol, scratch)
+                   if sgd else None)
+        if verdict is not None:
+            update_norm[i], expected[i], matches[i] = verdict.update_norm, verdict.expected, verdict.matches
+            rel_err[i] = (verdict.err / verdict.expected if verdict.expected > 0
+                          else (0.0 if verdict.err == 0 else math.inf))
+            continue
+        # Each side widened once and reused below (each is a float64 copy of the tensor).
+        after64, start64 = wide(after), wide(start)
+        update_norm[i] = _norm(after64 - start64)
         predicted = predict(optimizer, members[id(t)][1], start64, used, states_before[i])
         if predicted is None:
             continue
@@ -297,6 +366,15 @@ def _step_and_predict(tr: Transition, optimizer: torch.optim.Optimizer, step: bo
         matches[i] = err <= rtol * expected[i] + floor
         rel_err[i] = err / expected[i] if expected[i] > 0 else (0.0 if err == 0 else math.inf)
     tr.changed, tr.update_norm, tr.expected, tr.rel_err, tr.matches = changed, update_norm, expected, rel_err, matches
+
+
+def _moved(tr: Transition, after: torch.Tensor, start: torch.Tensor) -> float:
+    """||after - start||: of a large float32 tensor in float32, in the scratch buffer; else in float64."""
+    if (float32_check.fits(after) and tr.scratch is not None and tr.scratch.holds(after)
+            and start.dtype == after.dtype and start.device == after.device):
+        buf = tr.scratch.take(after.numel())[0]
+        return _norm(torch.sub(after.reshape(-1), start.reshape(-1), out=buf))
+    return _norm(wide(after) - wide(start))
 
 
 def _change(tr: Transition, i: int, rtol: float) -> Change:
