@@ -68,6 +68,9 @@ def test_sgd_check_in_float32_agrees_with_the_float64_check(setting, tamper):
         if verdict is not None:
             decided += 1
             assert verdict.matches == truth
+        with_norm = float32_check.sgd_check(p.detach(), start, grad, state, group, 1e-3, scratch,
+                                            grad_norm=float(torch.linalg.vector_norm(grad.double())))
+        assert with_norm is None or with_norm.matches == truth
         assert truth == (tamper < 1e-3)
     assert decided == 3  # far from the threshold, float32 decides every one
 

@@ -24,7 +24,11 @@ result underflows. gamma_k = k u / (1 - k u).
   The residual r = (after - start) - Delta is computed as fl(fl(after - start) - e), off by
   u |after - start| + gamma_6 A + u |r| per entry, so in norm by at most
   u ||after - start|| + gamma_6 ||A|| + u ||r|| (+ 8 sqrt(n) TINY), with ||A|| <= |c_g| ||g|| +
-  |c_p| ||p|| + |c_b| ||buf|| (||A|| = ||Delta|| when c_p = c_b = 0).
+  |c_p| ||p|| + |c_b| ||buf||. Without weight decay and momentum (Delta = c_g g) e is not
+  formed: r = fl(fl(after - start) - fl(c_g) g) in one operation, within the same bound with
+  ||A|| = ||Delta|| = |c_g| ||g||, taken from g's norm interval (``known``: a norm already taken).
+  ||after|| is first bounded by ||start|| -+ ||after - start|| (triangle inequality), and taken
+  from after itself only where that leaves the check open.
 
 The check is the float64 one: ||r|| <= rtol ||Delta|| + 2 eps ||after||, eps = 2u. It is decided
 here when the interval holding ||r|| lies wholly at or below the lower end of the interval
@@ -91,6 +95,12 @@ def norm(t: torch.Tensor, rel: float = 1e-6) -> Optional[float]:
     return b.value if under <= rel * b.value * b.value else None
 
 
+def known(value: float) -> Norm:
+    """The interval of a norm ``norm`` returned (or a float64 norm): within RHO + 1e-6 relative."""
+    slack = RHO + 2e-6
+    return Norm(value, value * (1 - slack), value * (1 + slack))
+
+
 class Scratch:
     """Two float32 buffers of the largest tensor's size, reused by every tensor's check, so
     that the check allocates (and the system zeroes) no new memory per tensor."""
@@ -132,9 +142,11 @@ class Verdict:
 
 
 def sgd_check(after: torch.Tensor, start: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
-              group: dict[str, Any], rtol: float, scratch: Scratch) -> Optional[Verdict]:
+              group: dict[str, Any], rtol: float, scratch: Scratch, grad_norm: Optional[float] = None,
+              start_norm: Optional[float] = None) -> Optional[Verdict]:
     """The float64 update check of one SGD step decided in float32 (module docstring), or None
-    where this path does not apply or the bound leaves the answer open."""
+    where this path does not apply or the bound leaves the answer open. ``grad_norm``,
+    ``start_norm``: the gradient's and the start's norms where already taken (``known``)."""
     mu = _scalar(group.get("momentum", 0.0))
     buf = state.get("momentum_buffer") if mu != 0 else None
     if not (fits(after) and fits(start) and fits(grad) and (buf is None or fits(buf))):
@@ -146,36 +158,53 @@ def sgd_check(after: torch.Tensor, start: torch.Tensor, grad: torch.Tensor, stat
     c_g, c_p, c_b = sgd_coefficients(group, buf is not None)
     a, s, g = after.detach().reshape(-1), start.reshape(-1), grad.detach().reshape(-1)
     d, e = scratch.take(n)
-    torch.sub(a, s, out=d)
-    torch.mul(g, c_g, out=e)
-    if c_p != 0:
-        e.add_(s, alpha=c_p)
-    if buf is not None and c_b != 0:
-        e.add_(buf.reshape(-1), alpha=c_b)
-    moved, expected = norm_bounds(d), norm_bounds(e)
-    if moved is None or expected is None:
+    moved = norm_bounds(torch.sub(a, s, out=d))
+    if moved is None:
         return None
-    d.sub_(e)  # the residual r
-    resid, final = norm_bounds(d), norm_bounds(a)
-    if resid is None or final is None:
-        return None
-    if c_p == 0 and (buf is None or c_b == 0):
-        size = expected.hi * (1 + 2 * GAMMA_STEP)  # ||A|| = ||Delta||
+    under = 8 * math.sqrt(n) * TINY
+    if c_p == 0 and (buf is None or c_b == 0):  # Delta = c_g g: ||Delta|| = |c_g| ||g||, no buffer for it
+        g_norm = known(grad_norm) if grad_norm is not None else norm_bounds(g)
+        if g_norm is None:
+            return None
+        expected = Norm(abs(c_g) * g_norm.value, abs(c_g) * g_norm.lo, abs(c_g) * g_norm.hi)
+        d.sub_(g, alpha=c_g)  # the residual r, in one rounding of d - fl(c_g) g
+        size, e_off = expected.hi, 0.0  # ||A|| = ||Delta||; the interval holds ||Delta|| itself
     else:
+        torch.mul(g, c_g, out=e)
+        if c_p != 0:
+            e.add_(s, alpha=c_p)
+        if buf is not None and c_b != 0:
+            e.add_(buf.reshape(-1), alpha=c_b)
+        expected = norm_bounds(e)
         parts = [(abs(c_g), g), (abs(c_p), s), (abs(c_b), None if buf is None else buf.reshape(-1))]
         bounds = [(c, norm_bounds(x)) for c, x in parts if c != 0 and x is not None]
-        if any(b is None for _, b in bounds):
+        if expected is None or any(b is None for _, b in bounds):
             return None
         size = sum(c * b.hi for c, b in bounds)
-    under = 8 * math.sqrt(n) * TINY
+        e_off = GAMMA_STEP * size + under  # ||e - Delta||
+        d.sub_(e)  # the residual r
+    resid = norm_bounds(d)
+    if resid is None:
+        return None
     off = (1 + 4 * U) * (U * moved.hi + GAMMA_STEP * size + U * resid.hi) + under  # ||r_hat - r||
-    e_off = GAMMA_STEP * size + under  # ||e - Delta||
-    floor = 2 * torch.finfo(torch.float32).eps
     err_lo, err_hi = max(resid.lo - off, 0.0), resid.hi + off
-    allowed_lo = rtol * max(expected.lo - e_off, 0.0) + floor * final.lo
-    allowed_hi = rtol * (expected.hi + e_off) + floor * final.hi
-    if err_hi <= allowed_lo:
+    verdict = None
+    if start_norm is not None:  # ||after|| within ||start|| -+ ||after - start||: no pass over after
+        start_b, step_hi = known(start_norm), moved.hi * (1 + 2 * U) + under
+        final = Norm(start_b.value, max(start_b.lo - step_hi, 0.0), start_b.hi + step_hi)
+        verdict = _decide(rtol, expected, e_off, err_lo, err_hi, final, moved, resid)
+    final = norm_bounds(a) if verdict is None else None
+    if final is not None:
+        verdict = _decide(rtol, expected, e_off, err_lo, err_hi, final, moved, resid)
+    return verdict
+
+
+def _decide(rtol: float, expected: Norm, e_off: float, err_lo: float, err_hi: float, final: Norm, moved: Norm,
+            resid: Norm) -> Optional[Verdict]:
+    """The check ||r|| <= rtol ||Delta|| + 2 eps ||after|| where the intervals settle it, else None."""
+    floor = 2 * torch.finfo(torch.float32).eps
+    if err_hi <= rtol * max(expected.lo - e_off, 0.0) + floor * final.lo:
         return Verdict(moved.value, expected.value, resid.value, True)
-    if err_lo > allowed_hi:
+    if err_lo > rtol * (expected.hi + e_off) + floor * final.hi:
         return Verdict(moved.value, expected.value, resid.value, False)
     return None
