@@ -109,3 +109,28 @@ def test_the_gradients_are_copied_only_where_a_hook_or_a_custom_step_can_rewrite
             return super().step(closure)
 
     assert grads_may_be_rewritten(Custom([p], lr=0.1))
+
+
+class _WithSpare(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 8), nn.Linear(8, 4)
+        self.spare = nn.Linear(3, 3)  # never used: its missing gradient makes diagnose rerun the closure
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_a_closure_that_rewrites_a_gradient_on_its_reruns_is_seen_without_a_hook():
+    torch.manual_seed(0)
+    net = _WithSpare()
+    x, y = torch.randn(5, 16), torch.randint(0, 4, (5,))
+
+    def closure():
+        if net.b.weight.grad is not None:
+            with torch.no_grad():
+                net.b.weight.grad.mul_(-1.0)
+        return nn.functional.cross_entropy(net(x), y)
+
+    report = diagnose(net, torch.optim.SGD(net.parameters(), lr=0.1), closure)
+    assert ("grad_modified", "b.weight") in {(f.kind, f.name) for f in report.flagged()}, str(report)

@@ -21,7 +21,7 @@ from torch import nn
 from torch.optim import optimizer as torch_optimizer
 
 from gradrepro.diagnose import causes, float32_check
-from gradrepro.diagnose.graph import all_finite, dense, feeds_normaliser, wide
+from gradrepro.diagnose.graph import all_finite, dense, feeds_normaliser, same, wide
 from gradrepro.diagnose.inputs import DiagnoseValueError, check_loss
 from gradrepro.diagnose.registration import Row, optimizer_members, scan_attributes
 from gradrepro.diagnose.update_rule import SUPPORTED, predict, rule_name, snapshot_state
@@ -124,8 +124,8 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
             _backward(loss)
         del loss
         # A copy of .grad right after backward where code can still rewrite it in place before
-        # the step reads it (hooks); otherwise .grad itself, with its version counter checked after
-        # the step (``_step_and_predict``): one copy of the gradients less.
+        # the step reads it (hooks; the closure's reruns copy it first: ``_keeping_grads``);
+        # otherwise .grad itself, its version counter checked after the step: one copy less.
         copy = unhooked is not None or grads_may_be_rewritten(optimizer)
         tr.after_backward = [None if t.grad is None else (t.grad.detach().clone() if copy else t.grad)
                              for t in tensors]
@@ -137,6 +137,7 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
             if path not in orphans and all(path != p for p, _ in tr.nonleaf):
                 tr.nonleaf.append((path, t))
         _classify(tr, tiny_factor)
+        closure = _keeping_grads(tr, closure)  # the reruns below run the user's code again
         tr.depends = [None] * len(rows)
         for i, r in enumerate(rows):
             if tr.graph and probe_paths and r.registered and tr.requires[i] and not tr.has[i]:
@@ -156,6 +157,17 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
     return tr
 
 
+def _keeping_grads(tr: Transition, closure: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """The closure, which copies every .grad not yet copied before it first runs again."""
+    def rerun() -> torch.Tensor:
+        for i, version in enumerate(tr.grad_versions):
+            if version is not None:  # tr.grads is this same list where no tensor hook ran
+                tr.after_backward[i] = tr.after_backward[i].detach().clone()
+                tr.grad_versions[i] = None
+        return closure()
+    return rerun
+
+
 def grads_may_be_rewritten(optimizer: torch.optim.Optimizer) -> bool:
     """Whether code the transition does not write runs between backward and the point where
     the step's gradient is read: a step pre- or post-hook (the optimizer's or a global one) or
@@ -166,7 +178,8 @@ def grads_may_be_rewritten(optimizer: torch.optim.Optimizer) -> bool:
              getattr(torch_optimizer, "_global_optimizer_post_hooks", None))
     if any(h is None or len(h) > 0 for h in hooks):
         return True
-    return not getattr(type(optimizer).step, "__module__", "").startswith("torch.optim.")
+    step = getattr(optimizer.step, "__func__", optimizer.step)  # an instance's own step counts too
+    return not getattr(step, "__module__", "").startswith("torch.optim.")
 
 
 def _fresh_loss(closure: Callable[[], torch.Tensor], tensors: list[torch.Tensor],
@@ -243,16 +256,6 @@ def _counts(g: torch.Tensor | None, tr: Transition) -> tuple[float, float]:
         small = float(mask.sum())
         return (float(g.numel()) if small == 0 else float(torch.count_nonzero(g))), small
     return float(torch.count_nonzero(g)), float((g.abs() <= FP16_FLUSH).sum())
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``torch.equal`` (NaN unequal, -0 equal to 0); on the CPU through numpy's array_equal,
-    which takes half the time of torch.equal on float32 tensors with one thread."""
-    if (a.device.type == "cpu" and b.device.type == "cpu" and a.dtype == b.dtype and a.shape == b.shape
-            and a.dtype in (torch.float32, torch.float64, torch.float16) and a.layout == torch.strided
-            and b.layout == torch.strided and not a.is_conj() and not b.is_conj()):
-        return bool(np.array_equal(a.detach().numpy(), b.detach().numpy()))
-    return torch.equal(a, b)
 
 
 def _classify(tr: Transition, tiny_factor: float) -> None:
@@ -333,12 +336,12 @@ def _step_and_predict(tr: Transition, optimizer: torch.optim.Optimizer, step: bo
             handle.remove()
         tr.stepped = True
     tr.used = [t.grad if t.grad is not None or not tr.stepped else seen.get(i) for i, t in enumerate(tensors)]
-    rewritten = [tr.rows[i].name for i, v in enumerate(tr.grad_versions)
-                 if v is not None and tr.after_backward[i]._version != v]
+    rewritten = {i for i, v in enumerate(tr.grad_versions) if v is not None and tr.after_backward[i]._version != v}
     if rewritten:  # in place, by code no hook announced (the closure's reruns, a module hook)
-        tr.notes.append(f"the gradient of {len(rewritten)} tensor(s) ({', '.join(rewritten[:4])}) was rewritten in "
-                        "place between backward and the step by code outside the optimizer's hooks; how it "
-                        "changed is not known (no copy was kept)")
+        names = ", ".join(tr.rows[i].name for i in sorted(rewritten)[:4])
+        tr.notes.append(f"the gradient of {len(rewritten)} tensor(s) ({names}) was rewritten in place between "
+                        "backward and the step by code outside the optimizer's hooks; how it changed is not "
+                        "known (no copy was kept)")
     tr.changes = [_change(tr, i, rtol) for i in range(n)]
     tr.rule = rule_name(optimizer)
     if tr.rule is None:
@@ -359,7 +362,7 @@ def _step_and_predict(tr: Transition, optimizer: torch.optim.Optimizer, step: bo
             rel_err[i] = 0.0 if not changed[i] else math.inf
             continue
         # A finite norm of the same gradient (the classification's) says every entry is finite.
-        loss_grad = used is tr.grads[i]
+        loss_grad = used is tr.grads[i] and i not in rewritten
         finite = (loss_grad and math.isfinite(tr.g_norm[i])) or all_finite(dense(used))
         if not finite or tr.rule is None:
             update_norm[i] = _moved(tr, after, start) if changed[i] else 0.0
