@@ -124,8 +124,8 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
             _backward(loss)
         del loss
         # A copy of .grad right after backward where code can still rewrite it in place before
-        # the step reads it (hooks; the closure's reruns copy it first: ``_keeping_grads``);
-        # otherwise .grad itself, its version counter checked after the step: one copy less.
+        # the step reads it (hooks); otherwise .grad itself, its version counter checked after
+        # the step: one copy of the gradients less.
         copy = unhooked is not None or grads_may_be_rewritten(optimizer)
         tr.after_backward = [None if t.grad is None else (t.grad.detach().clone() if copy else t.grad)
                              for t in tensors]
@@ -137,7 +137,10 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
             if path not in orphans and all(path != p for p, _ in tr.nonleaf):
                 tr.nonleaf.append((path, t))
         _classify(tr, tiny_factor)
-        closure = _keeping_grads(tr, closure)  # the reruns below run the user's code again
+        # The reruns below see .grad as the first run did (None), and cannot reach backward's.
+        live = [t.grad for t in tensors]
+        for t in tensors:
+            t.grad = None
         tr.depends = [None] * len(rows)
         for i, r in enumerate(rows):
             if tr.graph and probe_paths and r.registered and tr.requires[i] and not tr.has[i]:
@@ -146,6 +149,8 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
             _explain(tr, closure)
         for b, saved in buffers:  # the extra forward passes may have moved batch-norm statistics
             b.copy_(saved)
+        for t, g in zip(tensors, live):
+            t.grad = g
         _step_and_predict(tr, optimizer, step, rtol)
     finally:
         tr.scratch = None
@@ -155,17 +160,6 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
             for b, saved in buffers:
                 b.copy_(saved)
     return tr
-
-
-def _keeping_grads(tr: Transition, closure: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """The closure, which copies every .grad not yet copied before it first runs again."""
-    def rerun() -> torch.Tensor:
-        for i, version in enumerate(tr.grad_versions):
-            if version is not None:  # tr.grads is this same list where no tensor hook ran
-                tr.after_backward[i] = tr.after_backward[i].detach().clone()
-                tr.grad_versions[i] = None
-        return closure()
-    return rerun
 
 
 def grads_may_be_rewritten(optimizer: torch.optim.Optimizer) -> bool:
