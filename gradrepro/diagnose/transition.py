@@ -45,6 +45,7 @@ class Transition:
     inference: bool = False  # the loss was computed under torch.inference_mode()
     notes: list[str] = field(default_factory=list)
     rtol: float = 1e-3  # tolerance of the update check and of "scaled by c", relative
+    before_grad_norm: _Array = None  # the norms of grads_before (``findings``), taken once
     # -- after backward (``_classify``, ``_explain``)
     grads: list = field(default_factory=list)  # the loss's gradient (copies; hooks on the tensors suspended)
     after_backward: list = field(default_factory=list)  # .grad after backward (a copy where hooks could rewrite it)
