@@ -8,9 +8,11 @@ Each model runs in its own process (the peak resident memory is per process): on
 training step (zero_grad, forward, backward, SGD step), ``--steps`` timed steps, then one
 diagnose call. Times are CPU seconds of the process (``time.process_time``, one thread: the
 machine's other load does not enter) and wall seconds. ``diagnose / step`` is the call's CPU
-time over one step's. Memory: the peak resident set after the call minus the peak after the
-training steps, as a multiple of the parameters' bytes (the call's extra copies). Phases:
-the transition's named steps (``gradrepro.diagnose.transition``), timed by wrapping them.
+time over one step's; of the call's CPU time, the system's share and the page faults (the
+kernel's time to back memory the process touches for the first time). Memory: the peak
+resident set after the call minus the peak after the training steps, as a multiple of the
+parameters' bytes (the call's extra copies). Phases: the transition's named steps
+(``gradrepro.diagnose.transition``), timed by wrapping them.
 """
 
 from __future__ import annotations
@@ -87,9 +89,10 @@ def one(name: str, size: int, steps: int) -> dict:
         closures[0] += 1
         return loss_of()
 
-    cpu, wall = time.process_time(), time.perf_counter()
+    cpu, wall, use = time.process_time(), time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     report = diagnose_mod.diagnose(model, opt, counted)
     diag_cpu, diag_wall = time.process_time() - cpu, time.perf_counter() - wall
+    used = resource.getrusage(resource.RUSAGE_SELF)
     param_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     extra_mb = max(_peak_mb() - peak_train, 0.0)
     return {"model": name, "size": size, "batch": 2, "threads": 1,
@@ -97,6 +100,8 @@ def one(name: str, size: int, steps: int) -> dict:
             "step_cpu_s": round(step_cpu, 3), "step_wall_s": round(step_wall, 3),
             "diagnose_cpu_s": round(diag_cpu, 3), "diagnose_wall_s": round(diag_wall, 3),
             "ratio_cpu": round(diag_cpu / step_cpu, 2), "closure_calls": closures[0],
+            "diagnose_sys_s": round(used.ru_stime - use.ru_stime, 3),
+            "diagnose_page_faults": used.ru_minflt - use.ru_minflt,
             "param_MB": round(param_mb, 1), "extra_peak_MB": round(extra_mb, 1),
             "extra_copies": round(extra_mb / param_mb, 2),
             "phases_cpu_s": {k: round(v, 3) for k, v in spent.items()},

@@ -164,8 +164,8 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``torch.equal`` (NaN unequal, -0 equal to 0); on the CPU through numpy's array_equal,
-    which takes half the time of torch.equal on float32 tensors with one thread."""
+    """``torch.equal`` (NaN unequal, -0 equal to 0); on the CPU through numpy's vectorised
+    array_equal (timed against torch.equal in benchmarks/README.md, ``diagnose_cost.py``)."""
     if (a.device.type == "cpu" and b.device.type == "cpu" and a.dtype == b.dtype and a.shape == b.shape
             and a.dtype in (torch.float32, torch.float64, torch.float16) and a.layout == torch.strided
             and b.layout == torch.strided and not (a.is_conj() or b.is_conj() or a.is_neg() or b.is_neg())):

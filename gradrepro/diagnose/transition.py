@@ -90,9 +90,9 @@ class Transition:
 
 
 def _norm(t: torch.Tensor | None) -> float:
-    """The 2-norm: of a large float32 tensor in float32 where that is certain to within a
-    relative 1e-4 of the float64 norm (``float32_check.norm``: within 6.2e-5 by its bound,
-    about 1e-9 in practice), else in float64 (a float64 copy of the tensor)."""
+    """The 2-norm: of a large float32 tensor in float32 where its bound puts it within a
+    relative 6.2e-5 of the exact norm (``float32_check.norm``), else in float64 (a float64
+    copy of the tensor)."""
     if t is None:
         return math.nan
     if float32_check.fits(t):
