@@ -316,6 +316,7 @@ def _step_and_predict(tr: Transition, optimizer: torch.optim.Optimizer, step: bo
     tr.forward_changed = np.array([not same(t.detach(), b) for t, b in zip(tensors, tr.before)])
     tr.at_step = [t.detach().clone() if moved else b for t, b, moved in zip(tensors, tr.before, tr.forward_changed)]
     states_before = {i: snapshot_state(optimizer, tensors[i]) for i in range(n) if id(tensors[i]) in members}
+    versions = [t._version for t in tensors]
     seen: dict[int, Any] = {}  # .grad as the step began (a post-hook may clear it afterwards)
     if step and tr.graph:
         handle = optimizer.register_step_pre_hook(
@@ -348,7 +349,10 @@ def _step_and_predict(tr: Transition, optimizer: torch.optim.Optimizer, step: bo
     sgd = tr.rule == "sgd"
     for i, t in enumerate(tensors):
         after, start, used = t.detach(), tr.at_step[i], tr.used[i]
-        changed[i] = not torch.equal(after, start)  # stops at the first difference: the usual case is cheap
+        # Where the step wrote the tensor in place (its version moved), torch.equal stops at the
+        # first difference; elsewhere the tensor is most likely unchanged, and numpy's equality
+        # reads the whole of it faster. Either way the answer is the comparison's, not the version's.
+        changed[i] = not (torch.equal(after, start) if t._version != versions[i] else same(after, start))
         predicted_here = tr.stepped and id(t) in members and used is not None
         if not predicted_here:
             update_norm[i] = _moved(tr, after, start) if changed[i] else 0.0
