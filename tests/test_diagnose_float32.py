@@ -75,15 +75,68 @@ def test_sgd_check_in_float32_agrees_with_the_float64_check(setting, tamper):
     assert decided == 3  # far from the threshold, float32 decides every one
 
 
-def test_a_step_nudged_by_a_post_hook_is_a_mismatch_on_large_float32_tensors():
+ADAM = {
+    "adam": (torch.optim.Adam, {}),
+    "adam_maximize": (torch.optim.Adam, {"maximize": True, "betas": (0.8, 0.99)}),
+    "adamw": (torch.optim.AdamW, {"weight_decay": 0.1}),
+    "adamw_small_eps": (torch.optim.AdamW, {"eps": 1e-12, "weight_decay": 0.01}),
+}
+
+
+def _float64_adam_check(opt, after, start, grad, state, group, rtol):
+    predicted = predict(opt, group, start.double(), grad, state)
+    err = float(torch.linalg.vector_norm(after.double() - predicted))
+    expected = float(torch.linalg.vector_norm(predicted - start.double()))
+    return err <= rtol * expected + 2 * torch.finfo(torch.float32).eps * float(torch.linalg.vector_norm(after.double()))
+
+
+@pytest.mark.parametrize("setting", sorted(ADAM))
+@pytest.mark.parametrize("tamper", [0.0, 1e-2, 1e-4])
+def test_adam_check_in_float32_agrees_with_the_float64_check(setting, tamper):
+    torch.manual_seed(2)
+    cls, kwargs = ADAM[setting]
+    p = nn.Parameter(torch.randn(SHAPE))
+    opt = cls([p], lr=1e-3, **kwargs)
+    scratch = float32_check.Scratch(p.numel(), p.device)
+    decided = 0
+    for _ in range(3):  # the moments' first step and later ones
+        p.grad = torch.randn(SHAPE) * 1e-2
+        start, grad, state = p.detach().clone(), p.grad.clone(), snapshot_state(opt, p)
+        opt.step()
+        with torch.no_grad():
+            p.add_(torch.randn(SHAPE) * tamper * float(torch.linalg.vector_norm(p - start)) / math.sqrt(p.numel()))
+        group = opt.param_groups[0]
+        verdict = float32_check.adam_check(p.detach(), start, grad, state, group, cls is torch.optim.AdamW, 1e-3,
+                                           scratch, start_norm=float(torch.linalg.vector_norm(start.double())))
+        truth = _float64_adam_check(opt, p.detach(), start, grad, state, group, 1e-3)
+        if verdict is not None:
+            decided += 1
+            assert verdict.matches == truth
+        assert truth == (tamper < 1e-3)
+    # eps = 1e-12: underflow could move the denominator by more than 1e-6 of it, so float64 decides
+    assert decided == (0 if setting == "adamw_small_eps" else 3)
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.05),
+}
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_a_step_nudged_by_a_post_hook_is_a_mismatch_on_large_float32_tensors(optimizer):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(128, 96), nn.ReLU(), nn.Linear(96, 64))
     x, y = torch.randn(8, 128), torch.randint(0, 64, (8,))
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    opt = OPTIMIZERS[optimizer](net.parameters())
 
     def closure():
         return nn.functional.cross_entropy(net(x), y)
 
+    for _ in range(2):  # the optimizer's state exists
+        opt.zero_grad()
+        closure().backward()
+        opt.step()
     assert not diagnose(net, opt, closure).flagged()
 
     def nudge(o, a, k):

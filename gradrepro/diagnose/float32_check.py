@@ -1,5 +1,6 @@
-"""Norms and the SGD update check of float32 tensors in float32, with a bound on the float32
-arithmetic's own rounding, where a float64 copy of each tensor cost more than the model's passes.
+"""Norms and the SGD, Adam and AdamW update checks of float32 tensors in float32, with a bound
+on the float32 arithmetic's own rounding, where a float64 copy of each tensor cost more than the
+model's passes.
 An answer is taken only where that bound cannot change it; elsewhere the caller widens to
 float64 as before (``transition``).
 
@@ -29,6 +30,16 @@ result underflows. gamma_k = k u / (1 - k u).
   ||A|| = ||Delta|| = |c_g| ||g||, taken from g's norm interval (``known``: a norm already taken).
   ||after|| is first bounded by ||start|| -+ ||after - start|| (triangle inequality), and taken
   from after itself only where that leaves the check open.
+
+- Adam and AdamW (``adam_check``; not amsgrad, not Adam's weight decay added to the gradient):
+  Delta = c m' / den - lr wd p with c = -lr / (1 - beta1^t), m' = beta1 m + (1 - beta1) g,
+  den = sqrt(beta2 v + (1 - beta2) g^2) / sqrt(1 - beta2^t) + eps (decoupled decay wd, AdamW's).
+  The denominator, built from non-negative terms, is within gamma_8 of itself relative (the
+  underflow of g^2 and v adds at most sqrt(4 TINY / (1 - beta2^t)) / eps, taken only below
+  1e-6); m' within gamma_4 of its terms' magnitudes; the quotient and the products with the
+  rounded constants a few u more: e is within gamma_16 of A = |c| (beta1 |m| +
+  (1 - beta1) |g|) / den + |lr wd| |p| per entry, ||A|| computed in float32 (a pass of its own)
+  and enlarged by the same factor; r = fl(fl(after - start) - e) as for SGD.
 
 The check is the float64 one: ||r|| <= rtol ||Delta|| + 2 eps ||after||, eps = 2u. It is decided
 here when the interval holding ||r|| lies wholly at or below the lower end of the interval
@@ -102,17 +113,20 @@ def known(value: float) -> Norm:
 
 
 class Scratch:
-    """Two float32 buffers of the largest tensor's size, reused by every tensor's check, so
-    that the check allocates (and the system zeroes) no new memory per tensor."""
+    """Float32 buffers of the largest tensor's size (two, more on demand), reused by every
+    tensor's check, so that the check allocates (and the system zeroes) no new memory per tensor."""
 
     def __init__(self, numel: int, device: torch.device) -> None:
+        self.numel, self.device = numel, torch.device(device)
         self.bufs = [torch.empty(numel, dtype=torch.float32, device=device) for _ in range(2)]
 
     def holds(self, t: torch.Tensor) -> bool:
-        return t.numel() <= self.bufs[0].numel() and t.device == self.bufs[0].device
+        return t.numel() <= self.numel and t.device == self.device
 
-    def take(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.bufs[0][:n], self.bufs[1][:n]
+    def take(self, n: int, count: int = 2) -> tuple[torch.Tensor, ...]:
+        while len(self.bufs) < count:
+            self.bufs.append(torch.empty(self.numel, dtype=torch.float32, device=self.device))
+        return tuple(b[:n] for b in self.bufs[:count])
 
 
 def _scalar(value: Any) -> float:
@@ -157,7 +171,7 @@ def sgd_check(after: torch.Tensor, start: torch.Tensor, grad: torch.Tensor, stat
         return None
     c_g, c_p, c_b = sgd_coefficients(group, buf is not None)
     a, s, g = after.detach().reshape(-1), start.reshape(-1), grad.detach().reshape(-1)
-    d, e = scratch.take(n)
+    d, e = scratch.take(n, 2)
     moved = norm_bounds(torch.sub(a, s, out=d))
     if moved is None:
         return None
@@ -208,3 +222,78 @@ def _decide(rtol: float, expected: Norm, e_off: float, err_lo: float, err_hi: fl
     if err_lo > rtol * (expected.hi + e_off) + floor * final.hi:
         return Verdict(moved.value, expected.value, resid.value, False)
     return None
+
+
+GAMMA_ADAM = 16 * U / (1 - 16 * U)
+
+
+def adam_check(after: torch.Tensor, start: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
+               group: dict[str, Any], decoupled: bool, rtol: float, scratch: Scratch,
+               start_norm: Optional[float] = None) -> Optional[Verdict]:
+    """The float64 update check of one Adam or AdamW step decided in float32 (module
+    docstring), or None: amsgrad, weight decay added to the gradient (Adam's, not AdamW's),
+    eps = 0 and states that are not float32 take the float64 path."""
+    lr, wd = _scalar(group["lr"]), _scalar(group.get("weight_decay", 0.0))
+    beta1, beta2 = (_scalar(b) for b in group["betas"])
+    eps = _scalar(group["eps"])
+    m, v = state.get("exp_avg"), state.get("exp_avg_sq")
+    n = after.numel()
+    tensors = [after, start, grad] + [x for x in (m, v) if x is not None]
+    if (group.get("amsgrad", False) or (wd != 0 and not decoupled) or not eps > 0 or (m is None) != (v is None)
+            or not all(fits(x) and x.numel() == n and x.device == after.device for x in tensors)
+            or not scratch.holds(after)):
+        return None
+    step = _scalar(state.get("step", 0.0)) + 1
+    bias1, bias2 = 1 - beta1**step, 1 - beta2**step
+    c = -lr / bias1
+    sign = -1.0 if group.get("maximize", False) else 1.0
+    if not (bias1 > 0 and bias2 > 0):
+        return None
+    # Underflow of g^2 and v (at most TINY each) moves the denominator, which is at least eps,
+    # by at most sqrt(4 TINY / bias2) relative to eps: taken only where that is negligible.
+    den_under = math.sqrt(4 * TINY / bias2) / eps
+    if den_under > 1e-6:
+        return None
+    a, s, g = after.detach().reshape(-1), start.reshape(-1), grad.detach().reshape(-1)
+    d, e, den, mag = scratch.take(n, 4)
+    torch.mul(g, g, out=den).mul_(1 - beta2)  # v' = beta2 v + (1 - beta2) g^2
+    if v is not None:
+        den.add_(v.reshape(-1), alpha=beta2)
+    den.sqrt_().div_(math.sqrt(bias2)).add_(eps)  # the denominator, at least eps
+    torch.abs(g, out=mag).mul_(1 - beta1)  # A: the magnitudes of m's terms ...
+    torch.mul(g, (1 - beta1) * sign, out=e)  # m' = beta1 m + (1 - beta1) g
+    if m is not None:
+        mag.add_(torch.abs(m.reshape(-1), out=d), alpha=beta1)
+        e.add_(m.reshape(-1), alpha=beta1)
+    size_b = norm_bounds(mag.div_(den))  # ... over the denominator
+    e.div_(den).mul_(c)  # Delta without the decoupled decay
+    if wd != 0:
+        e.add_(s, alpha=-lr * wd)
+    expected = norm_bounds(e)
+    p_size = norm_bounds(s) if wd != 0 else None
+    moved = norm_bounds(torch.sub(a, s, out=d))
+    if size_b is None or expected is None or moved is None or (wd != 0 and p_size is None):
+        return None
+    # Each float32 operation is off by at most u of its result: the denominator (a sum of
+    # non-negative terms, a square root, two constants) within gamma_8 relative, plus den_under;
+    # m' within gamma_4 of its terms' magnitudes; the quotient and the products with the rounded
+    # constants a few u more: within gamma_16 of A = |c| (beta1 |m| + (1 - beta1) |g|) / den +
+    # |lr wd| |p|, whose float32 value is itself within that of the exact one; m' may underflow.
+    size = abs(c) * size_b.hi * (1 + GAMMA_ADAM + den_under) + (abs(lr * wd) * p_size.hi if p_size else 0.0)
+    under = 8 * math.sqrt(n) * TINY * (1 + abs(c) / eps)
+    e_off = (GAMMA_ADAM + den_under) * size + under  # ||e - Delta||
+    d.sub_(e)  # the residual r
+    resid = norm_bounds(d)
+    if resid is None:
+        return None
+    off = (1 + 4 * U) * (U * moved.hi + U * resid.hi) + e_off + under  # ||r_hat - r||
+    err_lo, err_hi = max(resid.lo - off, 0.0), resid.hi + off
+    verdict = None
+    if start_norm is not None:
+        start_b, step_hi = known(start_norm), moved.hi * (1 + 2 * U) + under
+        final = Norm(start_b.value, max(start_b.lo - step_hi, 0.0), start_b.hi + step_hi)
+        verdict = _decide(rtol, expected, e_off, err_lo, err_hi, final, moved, resid)
+    final = norm_bounds(a) if verdict is None else None
+    if final is not None:
+        verdict = _decide(rtol, expected, e_off, err_lo, err_hi, final, moved, resid)
+    return verdict

@@ -366,10 +366,18 @@ def _step_and_predict(tr: Transition, optimizer: torch.optim.Optimizer, step: bo
         if not finite or tr.rule is None:
             update_norm[i] = _moved(tr, after, start) if changed[i] else 0.0
             continue  # no update to predict from a NaN/Inf gradient (its own finding says so)
-        # SGD in float32 where its rounding bound decides the check (float32_check); else float64.
-        verdict = (float32_check.sgd_check(after, start, used, states_before[i], members[id(t)][1], rtol, scratch,
-                                           grad_norm=tr.g_norm[i] if loss_grad else None,
-                                           start_norm=tr.p_norm[i] if start is tr.before[i] else None) if sgd else None)
+        # SGD, Adam and AdamW in float32 where the rounding bound decides the check
+        # (float32_check); otherwise in float64.
+        group, start_norm = members[id(t)][1], tr.p_norm[i] if start is tr.before[i] else None
+        if sgd:
+            verdict = float32_check.sgd_check(after, start, used, states_before[i], group, rtol, scratch,
+                                              grad_norm=tr.g_norm[i] if loss_grad else None, start_norm=start_norm)
+        elif tr.rule == "adam":
+            decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
+            verdict = float32_check.adam_check(after, start, used, states_before[i], group, decoupled, rtol, scratch,
+                                               start_norm=start_norm)
+        else:
+            verdict = None
         if verdict is not None:
             update_norm[i], expected[i], matches[i] = verdict.update_norm, verdict.expected, verdict.matches
             rel_err[i] = (verdict.err / verdict.expected if verdict.expected > 0
