@@ -1,8 +1,7 @@
 """Norms and the SGD, Adam and AdamW update checks of float32 tensors in float32, with a bound
 on the float32 arithmetic's own rounding, where a float64 copy of each tensor cost more than the
-model's passes.
-An answer is taken only where that bound cannot change it; elsewhere the caller widens to
-float64 as before (``transition``).
+model's passes. An answer is taken only where that bound cannot change it; elsewhere the caller
+widens to float64 as before (``transition``).
 
 The bounds (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., sec. 2.2 and 4.2):
 a float32 operation returns its exact result times (1 + d) with |d| <= u = 2^-24, plus an
@@ -13,7 +12,7 @@ result underflows. gamma_k = k u / (1 - k u).
   rows' squares summed in float64. A sum of m non-negative terms, in any order, is within
   gamma_{m-1} of its value relative (sec. 4.2), so a row's sum of its m rounded squares is within
   gamma_m; the row norm's square root and its squaring in float64 add 2u; the float64 sum over
-  the rows adds at most rows x 2^-53 (below 1e-9 for 10^7 rows). The squares of entries below
+  the rows adds at most rows x 2^-53 (below 1e-9 up to 9 million rows). The squares of entries below
   sqrt(TINY) may underflow: at most 2 TINY absolute per entry on the sum of squares.
 - SGD (``sgd_check``): the documented rule (``update_rule``) changes a parameter by
   Delta = c_g g + c_p p + c_b buf, with c_g = -lr a s, c_p = -lr a wd, c_b = -lr b, s = -1 under
@@ -30,7 +29,6 @@ result underflows. gamma_k = k u / (1 - k u).
   ||A|| = ||Delta|| = |c_g| ||g||, taken from g's norm interval (``known``: a norm already taken).
   ||after|| is first bounded by ||start|| -+ ||after - start|| (triangle inequality), and taken
   from after itself only where that leaves the check open.
-
 - Adam and AdamW (``adam_check``; not amsgrad, not Adam's weight decay added to the gradient):
   Delta = c m' / den - lr wd p with c = -lr / (1 - beta1^t), m' = beta1 m + (1 - beta1) g,
   den = sqrt(beta2 v + (1 - beta2) g^2) / sqrt(1 - beta2^t) + eps (decoupled decay wd, AdamW's).
@@ -60,10 +58,6 @@ ROW = 1024
 RHO = (ROW + 2) * U / (1 - (ROW + 2) * U) + 1e-9  # relative error bound of a sum of squares (module docstring)
 GAMMA_STEP = 6 * U / (1 - 6 * U)
 SMALL = 4 * ROW  # tensors below this size are widened to float64 (cheap, and exact as before)
-
-
-def _gamma(k: int) -> float:
-    return k * U / (1 - k * U)
 
 
 @dataclass(frozen=True)
