@@ -39,7 +39,9 @@ def findings_of(tr: Transition, model: nn.Module, unregistered: list[tuple[str, 
 
 def _before_norms(tr: Transition) -> tuple[np.ndarray, np.ndarray]:
     """The norm of what each .grad held before the call, and where it held something non-zero."""
-    before_norm = np.array([_norm(g) for g in tr.grads_before])
+    if tr.before_grad_norm is None:  # asked for by three findings: one pass over the old gradients
+        tr.before_grad_norm = np.array([_norm(g) for g in tr.grads_before])
+    before_norm = tr.before_grad_norm
     had_before = np.array([g is not None for g in tr.grads_before]) & (np.nan_to_num(before_norm, nan=1.0) > 0)
     return before_norm, had_before
 

@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 
+import numpy
 import torch
 
 # Nodes visited per walk: bounds the cost on a very large graph (a walk that stops early
@@ -177,6 +178,16 @@ def all_finite(t: torch.Tensor) -> bool:
         return bool(torch.isfinite(t).all())
     lo, hi = torch.aminmax(t)
     return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal`` (NaN unequal, -0 equal to 0); on the CPU through numpy's vectorised
+    array_equal (timed against torch.equal in benchmarks/README.md, ``diagnose_cost.py``)."""
+    if (a.device.type == "cpu" and b.device.type == "cpu" and a.dtype == b.dtype and a.shape == b.shape
+            and a.dtype in (torch.float32, torch.float64, torch.float16) and a.layout == torch.strided
+            and b.layout == torch.strided and not (a.is_conj() or b.is_conj() or a.is_neg() or b.is_neg())):
+        return bool(numpy.array_equal(a.detach().numpy(), b.detach().numpy()))
+    return torch.equal(a, b)
 
 
 def wide(t: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,10 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 from torch import nn
+from torch.optim import optimizer as torch_optimizer
 
-from gradrepro.diagnose import causes
-from gradrepro.diagnose.graph import all_finite, dense, feeds_normaliser, wide
+from gradrepro.diagnose import causes, float32_check
+from gradrepro.diagnose.graph import all_finite, dense, feeds_normaliser, same, wide
 from gradrepro.diagnose.inputs import DiagnoseValueError, check_loss
 from gradrepro.diagnose.registration import Row, optimizer_members, scan_attributes
 from gradrepro.diagnose.update_rule import SUPPORTED, predict, rule_name, snapshot_state
@@ -44,9 +45,11 @@ class Transition:
     inference: bool = False  # the loss was computed under torch.inference_mode()
     notes: list[str] = field(default_factory=list)
     rtol: float = 1e-3  # tolerance of the update check and of "scaled by c", relative
+    before_grad_norm: _Array = None  # the norms of grads_before (``findings``), taken once
     # -- after backward (``_classify``, ``_explain``)
     grads: list = field(default_factory=list)  # the loss's gradient (copies; hooks on the tensors suspended)
-    after_backward: list = field(default_factory=list)  # .grad right after backward (copies)
+    after_backward: list = field(default_factory=list)  # .grad after backward (a copy where hooks could rewrite it)
+    grad_versions: list = field(default_factory=list)  # version counters of the uncopied ones
     fresh_versions: list = field(default_factory=list)  # .grad's version counter after one backward (None: no .grad)
     has: _Array = None
     g_norm: _Array = None
@@ -69,6 +72,7 @@ class Transition:
     selected: dict = field(default_factory=dict)  # index -> the selections that took none of its entries
     unattenuated: dict = field(default_factory=dict)  # tiny index -> index of an ordinary gradient behind its op
     unaligned: dict = field(default_factory=dict)  # index -> its gradient's norm with random incoming directions
+    scratch: Any = None  # float32 buffers of the float32 arithmetic (``float32_check.Scratch``), freed at the end
     # -- around the step (``_step_and_predict``)
     at_step: list = field(default_factory=list)  # the parameters as the step found them (after forward)
     forward_changed: _Array = None  # the forward pass itself changed the parameter
@@ -88,7 +92,16 @@ class Transition:
 
 
 def _norm(t: torch.Tensor | None) -> float:
-    return math.nan if t is None else float(torch.linalg.vector_norm(wide(t)))
+    """The 2-norm: of a large float32 tensor in float32 where its bound puts it within a
+    relative 6.2e-5 of the exact norm (``float32_check.norm``), else in float64 (a float64
+    copy of the tensor)."""
+    if t is None:
+        return math.nan
+    if float32_check.fits(t):
+        value = float32_check.norm(t)
+        if value is not None:
+            return value
+    return float(torch.linalg.vector_norm(wide(t)))
 
 
 def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: Callable[[], torch.Tensor],
@@ -114,7 +127,13 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
             _backward(loss)
         del loss
         tr.fresh_versions = [None if t.grad is None else t.grad._version for t in tensors]
-        tr.after_backward = [None if t.grad is None else t.grad.detach().clone() for t in tensors]
+        # A copy of .grad right after backward where code can still rewrite it in place before
+        # the step reads it (hooks); otherwise .grad itself, its version counter checked after
+        # the step: one copy of the gradients less.
+        copy = unhooked is not None or grads_may_be_rewritten(optimizer)
+        tr.after_backward = [None if t.grad is None else (t.grad.detach().clone() if copy else t.grad)
+                             for t in tensors]
+        tr.grad_versions = [None if copy or g is None else g._version for g in tr.after_backward]
         tr.grads = tr.after_backward if unhooked is None else unhooked
         _, nonleaf_after = scan_attributes(model, {id(t) for t in tensors} | {id(b) for b, _ in buffers})
         orphans = {r.orphan_of for r in rows if r.orphan_of}
@@ -122,6 +141,10 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
             if path not in orphans and all(path != p for p, _ in tr.nonleaf):
                 tr.nonleaf.append((path, t))
         _classify(tr, tiny_factor)
+        # The reruns below see .grad as the first run did (None), and cannot reach backward's.
+        live = [t.grad for t in tensors]
+        for t in tensors:
+            t.grad = None
         tr.depends = [None] * len(rows)
         for i, r in enumerate(rows):
             if tr.graph and probe_paths and r.registered and tr.requires[i] and not tr.has[i]:
@@ -130,14 +153,31 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
             _explain(tr, closure)
         for b, saved in buffers:  # the extra forward passes may have moved batch-norm statistics
             b.copy_(saved)
+        for t, g in zip(tensors, live):
+            t.grad = g
         _step_and_predict(tr, optimizer, step, rtol)
     finally:
+        tr.scratch = None
         for t, g in zip(tensors, tr.grads_before):
             t.grad = g
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
     return tr
+
+
+def grads_may_be_rewritten(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether code the transition does not write runs between backward and the point where
+    the step's gradient is read: a step pre- or post-hook (the optimizer's or a global one) or
+    a ``step`` not torch's own (a subclass's, which may rescale .grad before the update)."""
+    hooks = (getattr(optimizer, "_optimizer_step_pre_hooks", None),
+             getattr(optimizer, "_optimizer_step_post_hooks", None),
+             getattr(torch_optimizer, "_global_optimizer_pre_hooks", None),
+             getattr(torch_optimizer, "_global_optimizer_post_hooks", None))
+    if any(h is None or len(h) > 0 for h in hooks):
+        return True
+    step = getattr(optimizer.step, "__func__", optimizer.step)  # an instance's own step counts too
+    return not getattr(step, "__module__", "").startswith("torch.optim.")
 
 
 def _fresh_loss(closure: Callable[[], torch.Tensor], tensors: list[torch.Tensor],
@@ -194,17 +234,40 @@ def _nonfinite(g: torch.Tensor | None, norm: float) -> float:
     return float((~torch.isfinite(g)).sum())
 
 
+def _scratch(tr: Transition) -> float32_check.Scratch:
+    """The transition's float32 buffers (``float32_check.Scratch``), made on first use."""
+    if tr.scratch is None:
+        sizes = [t.numel() for t in tr.tensors if float32_check.fits(t)]
+        tr.scratch = float32_check.Scratch(max(sizes, default=0), tr.tensors[0].device if tr.tensors else "cpu")
+    return tr.scratch
+
+
+def _counts(g: torch.Tensor | None, tr: Transition) -> tuple[float, float]:
+    """(non-zero entries, entries fp16 would flush to zero: |g| <= 2^-24, zeros included). A large
+    float32 gradient's small entries are counted as the float32 sum of a 0/1 mask in a reused
+    buffer (exact: every partial sum is an integer below 2^24), where an allocation and a
+    boolean count cost more; where none is small, none is zero and no count of zeros is made."""
+    if g is None:
+        return 0.0, 0.0
+    if float32_check.fits(g) and g.numel() < 2**24 and tr.scratch is not None and tr.scratch.holds(g):
+        mask = torch.abs(g.reshape(-1), out=tr.scratch.take(g.numel())[0]).le_(FP16_FLUSH)
+        small = float(mask.sum())
+        return (float(g.numel()) if small == 0 else float(torch.count_nonzero(g))), small
+    return float(torch.count_nonzero(g)), float((g.abs() <= FP16_FLUSH).sum())
+
+
 def _classify(tr: Transition, tiny_factor: float) -> None:
     """Every gradient's statistics and state; registered tensors are judged among themselves,
     as the probe (which sees registered tensors only) judges them."""
     tensors = tr.tensors
     grads = [None if g is None else dense(g) for g in tr.grads]
+    _scratch(tr)
     has = np.array([g is not None for g in grads])
     g_norm = np.array([_norm(g) for g in grads])
     p_norm = np.array([_norm(t) for t in tr.before])
-    nonzero = np.array([float(torch.count_nonzero(g)) if g is not None else 0.0 for g in grads])
+    counts = np.array([_counts(g, tr) for g in grads]).reshape(len(grads), 2)
+    nonzero, small = counts[:, 0], counts[:, 1]
     nonfinite = np.array([_nonfinite(g, norm) for g, norm in zip(grads, g_norm)])
-    small = np.array([float((g.abs() <= FP16_FLUSH).sum()) if g is not None else 0.0 for g in grads])
     numel = np.array([float(t.numel()) for t in tensors])
     with np.errstate(divide="ignore", invalid="ignore"):
         g_to_p = g_norm / np.where(p_norm > 0, p_norm, np.nan)
@@ -258,9 +321,10 @@ def _step_and_predict(tr: Transition, optimizer: torch.optim.Optimizer, step: bo
     tensors, members, n = tr.tensors, tr.members, len(tr.rows)
     # The parameters as the step finds them: the copy taken before the call where the forward
     # passes left them equal (the usual case), so that no second copy of the model is held.
-    tr.forward_changed = np.array([not torch.equal(t.detach(), b) for t, b in zip(tensors, tr.before)])
+    tr.forward_changed = np.array([not same(t.detach(), b) for t, b in zip(tensors, tr.before)])
     tr.at_step = [t.detach().clone() if moved else b for t, b, moved in zip(tensors, tr.before, tr.forward_changed)]
     states_before = {i: snapshot_state(optimizer, tensors[i]) for i in range(n) if id(tensors[i]) in members}
+    versions = [t._version for t in tensors]
     seen: dict[int, Any] = {}  # .grad as the step began (a post-hook may clear it afterwards)
     if step and tr.graph:
         handle = optimizer.register_step_pre_hook(
@@ -276,6 +340,12 @@ def _step_and_predict(tr: Transition, optimizer: torch.optim.Optimizer, step: bo
             handle.remove()
         tr.stepped = True
     tr.used = [t.grad if t.grad is not None or not tr.stepped else seen.get(i) for i, t in enumerate(tensors)]
+    rewritten = {i for i, v in enumerate(tr.grad_versions) if v is not None and tr.after_backward[i]._version != v}
+    if rewritten:  # in place, by code no hook announced (the closure's reruns, a module hook)
+        names = ", ".join(tr.rows[i].name for i in sorted(rewritten)[:4])
+        tr.notes.append(f"the gradient of {len(rewritten)} tensor(s) ({names}) was rewritten in place between "
+                        "backward and the step by code outside the optimizer's hooks; how it changed is not "
+                        "known (no copy was kept)")
     tr.changes = [_change(tr, i, rtol) for i in range(n)]
     tr.rule = rule_name(optimizer)
     if tr.rule is None:
@@ -283,19 +353,47 @@ def _step_and_predict(tr: Transition, optimizer: torch.optim.Optimizer, step: bo
     changed = np.zeros(n, dtype=bool)
     update_norm, expected, rel_err = np.full(n, math.nan), np.full(n, math.nan), np.full(n, math.nan)
     matches = np.ones(n, dtype=bool)
+    scratch = _scratch(tr)
+    sgd = tr.rule == "sgd"
     for i, t in enumerate(tensors):
         after, start, used = t.detach(), tr.at_step[i], tr.used[i]
-        changed[i] = not torch.equal(after, start)
-        # Each side widened once and reused below (each is a float64 copy of the tensor).
-        after64, start64 = wide(after), wide(start)
-        update_norm[i] = _norm(after64 - start64)
-        if not tr.stepped or id(t) not in members or used is None:
+        # Where the step wrote the tensor in place (its version moved), torch.equal stops at the
+        # first difference; elsewhere the tensor is most likely unchanged, and numpy's equality
+        # reads the whole of it faster. Either way the answer is the comparison's, not the version's.
+        changed[i] = not (torch.equal(after, start) if t._version != versions[i] else same(after, start))
+        predicted_here = tr.stepped and id(t) in members and used is not None
+        if not predicted_here:
+            update_norm[i] = _moved(tr, after, start) if changed[i] else 0.0
             expected[i] = 0.0  # the optimizer skips a None gradient; a non-member is never touched
             matches[i] = not changed[i]
             rel_err[i] = 0.0 if not changed[i] else math.inf
             continue
-        if not all_finite(dense(used)):
+        # A finite norm of the same gradient (the classification's) says every entry is finite.
+        loss_grad = used is tr.grads[i] and i not in rewritten
+        finite = (loss_grad and math.isfinite(tr.g_norm[i])) or all_finite(dense(used))
+        if not finite or tr.rule is None:
+            update_norm[i] = _moved(tr, after, start) if changed[i] else 0.0
             continue  # no update to predict from a NaN/Inf gradient (its own finding says so)
+        # SGD, Adam and AdamW in float32 where the rounding bound decides the check
+        # (float32_check); otherwise in float64.
+        group, start_norm = members[id(t)][1], tr.p_norm[i] if start is tr.before[i] else None
+        if sgd:
+            verdict = float32_check.sgd_check(after, start, used, states_before[i], group, rtol, scratch,
+                                              grad_norm=tr.g_norm[i] if loss_grad else None, start_norm=start_norm)
+        elif tr.rule == "adam":
+            decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
+            verdict = float32_check.adam_check(after, start, used, states_before[i], group, decoupled, rtol, scratch,
+                                               start_norm=start_norm)
+        else:
+            verdict = None
+        if verdict is not None:
+            update_norm[i], expected[i], matches[i] = verdict.update_norm, verdict.expected, verdict.matches
+            rel_err[i] = (verdict.err / verdict.expected if verdict.expected > 0
+                          else (0.0 if verdict.err == 0 else math.inf))
+            continue
+        # Each side widened once and reused below (each is a float64 copy of the tensor).
+        after64, start64 = wide(after), wide(start)
+        update_norm[i] = _norm(after64 - start64)
         predicted = predict(optimizer, members[id(t)][1], start64, used, states_before[i])
         if predicted is None:
             continue
@@ -305,6 +403,15 @@ def _step_and_predict(tr: Transition, optimizer: torch.optim.Optimizer, step: bo
         matches[i] = err <= rtol * expected[i] + floor
         rel_err[i] = err / expected[i] if expected[i] > 0 else (0.0 if err == 0 else math.inf)
     tr.changed, tr.update_norm, tr.expected, tr.rel_err, tr.matches = changed, update_norm, expected, rel_err, matches
+
+
+def _moved(tr: Transition, after: torch.Tensor, start: torch.Tensor) -> float:
+    """||after - start||: of a large float32 tensor in float32, in the scratch buffer; else in float64."""
+    if (float32_check.fits(after) and tr.scratch is not None and tr.scratch.holds(after)
+            and start.dtype == after.dtype and start.device == after.device):
+        buf = tr.scratch.take(after.numel())[0]
+        return _norm(torch.sub(after.reshape(-1), start.reshape(-1), out=buf))
+    return _norm(wide(after) - wide(start))
 
 
 def _change(tr: Transition, i: int, rtol: float) -> Change:

@@ -34,8 +34,9 @@ def _scalar(value: Any) -> float:
 
 
 def snapshot_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, Any]:
-    """A float64 copy of the optimizer's per-parameter state before the step."""
-    return {k: (wide(v).clone() if torch.is_tensor(v) else v) for k, v in optimizer.state.get(param, {}).items()}
+    """A copy of the optimizer's per-parameter state before the step, in its own dtype
+    (``predict`` widens what it uses)."""
+    return {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in optimizer.state.get(param, {}).items()}
 
 
 def rule_name(optimizer: torch.optim.Optimizer) -> str | None:
@@ -60,6 +61,8 @@ def predict(
     if rule is None:
         return None
     p, g = wide(param), wide(grad)
+    state = {k: (wide(v) if torch.is_tensor(v) and (v.is_floating_point() or v.is_complex()) else v)
+             for k, v in state.items()}
     lr = _scalar(group["lr"])
     wd = _scalar(group.get("weight_decay", 0.0))
     if group.get("maximize", False):

@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from gradrepro.diagnose.graph import all_finite, real_flat
+from gradrepro.diagnose.graph import all_finite, dense, real_flat, same
 
 # Kinds that make the step wrong (an error); ``changed`` is an error only when it no longer descends.
 WRONG = ("zeroed", "sign_flipped", "nonfinite", "added")
@@ -80,6 +80,9 @@ def compare(loss_grad: Optional[torch.Tensor], used: Optional[torch.Tensor], rto
     if loss_grad is None or used is None:
         kind = "same" if loss_grad is None and used is None else ("removed" if used is None else "added")
         return Change(kind, during_backward=during_backward)
+    if loss_grad is used or (loss_grad.dtype == used.dtype and loss_grad.shape == used.shape
+                             and same(dense(loss_grad), dense(used))):
+        return Change()  # equal in their own dtype: equal in float64, without the two float64 copies
     g, u = real_flat(loss_grad), real_flat(used)
     if torch.equal(g, u) or not all_finite(g):  # the same, or already broken at backward
         return Change()
