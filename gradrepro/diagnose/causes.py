@@ -346,7 +346,7 @@ def unaligned_gradients(closure: Callable[[], Any], tensors: list[torch.Tensor],
         generator = torch.Generator().manual_seed(seed)
         grads = _grad_with_hooks(loss, [tensors[i] for i in wanted], ops,
                                  lambda op: _randomising(norms.get(op), generator), retain=False)
-    return {i: float(torch.linalg.vector_norm(wide(g))) for i, g in zip(wanted, grads)
+    return {i: float(torch.linalg.vector_norm(dense(g))) for i, g in zip(wanted, grads)
             if g is not None and all_finite(dense(g))}
 
 
@@ -361,8 +361,10 @@ def _grad_with_hooks(loss: torch.Tensor, inputs: list[torch.Tensor], ops: list, 
 
 
 def _reading(op: object, norms: dict) -> Callable:
+    # In the gradient's own dtype: the norms only set the random gradients' sizes, which are
+    # compared with a reference tiny_factor (1e4) away; float32's rounding does not move that.
     def hook(grad_outputs: tuple) -> None:
-        norms[op] = [None if g is None or g.is_sparse else float(torch.linalg.vector_norm(wide(g)))
+        norms[op] = [None if g is None or g.is_sparse else float(torch.linalg.vector_norm(g.detach()))
                      for g in grad_outputs]
     return hook
 
@@ -376,10 +378,11 @@ def _randomising(norms: list | None, generator: torch.Generator) -> Callable:
             if g is None or norm is None or g.is_sparse or not math.isfinite(norm):
                 out.append(g)
                 continue
+            # drawn on the CPU generator in float32 (in g's complex dtype for a complex g), scaled once
             r = torch.randn(g.shape, generator=generator,
-                            dtype=torch.complex128 if g.is_complex() else torch.float64)
+                            dtype=g.dtype if g.is_complex() or g.dtype == torch.float64 else torch.float32)
             size = float(torch.linalg.vector_norm(r))
-            out.append((r * (norm / size if size > 0 else 0.0)).to(dtype=g.dtype, device=g.device))
+            out.append(r.mul_(norm / size if size > 0 else 0.0).to(dtype=g.dtype, device=g.device))
         return tuple(out)
     return hook
 

@@ -308,10 +308,25 @@ def _explain(tr: Transition, closure: Callable[[], torch.Tensor]) -> None:
         ordinary = {i for i in trainable if judged[i] and tr.state[i] == "finite"}
         tiny = [i for i in trainable if tr.state[i] == "tiny"]
         tr.unattenuated = causes.ordinary_behind(closure, tensors, tiny, ordinary)
-        if any(i not in tr.unattenuated for i in tiny):
-            tr.unaligned = causes.unaligned_gradients(closure, tensors, [i for i in trainable if judged[i]])
+        open_tiny = [i for i in tiny if i not in tr.unattenuated and judged[i]]
+        if open_tiny:
+            reference = _spread(sorted(i for i in ordinary if tr.g_to_p[i] >= tr.median), REFERENCE_SAMPLE)
+            tr.unaligned = causes.unaligned_gradients(closure, tensors, open_tiny + reference)
     except Exception as exc:  # noqa: BLE001 - the user's closure may do anything
         tr.notes.append(f"causes of missing/zero gradients not examined: the closure failed on a rerun ({exc})")
+
+
+# The reference of the random-direction test (``findings._unattenuated_reach``) is a median;
+# this many reference tensors, spread over the model's order, estimate it, where asking the
+# extra backward passes for every tensor's gradient allocated a copy of all of them.
+REFERENCE_SAMPLE = 64
+
+
+def _spread(indices: list[int], most: int) -> list[int]:
+    """At most ``most`` of ``indices``, evenly spaced over them (all when there are fewer)."""
+    if len(indices) <= most:
+        return indices
+    return [indices[round(k * (len(indices) - 1) / (most - 1))] for k in range(most)]
 
 
 def _step_and_predict(tr: Transition, optimizer: torch.optim.Optimizer, step: bool, rtol: float) -> None:
