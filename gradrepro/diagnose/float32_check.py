@@ -195,16 +195,23 @@ def sgd_check(after: torch.Tensor, start: torch.Tensor, grad: torch.Tensor, stat
     if resid is None:
         return None
     off = (1 + 4 * U) * (U * moved.hi + GAMMA_STEP * size + U * resid.hi) + under  # ||r_hat - r||
+    return _conclude(rtol, expected, e_off, off, resid, moved, start_norm, a, under)
+
+
+def _conclude(rtol: float, expected: Norm, e_off: float, off: float, resid: Norm, moved: Norm,
+              start_norm: Optional[float], a: torch.Tensor, under: float) -> Optional[bool]:
+    """The check's answer from the residual's interval (``resid`` widened by ``off``, the
+    arithmetic's own error): first with ||after|| bounded by ||start|| -+ ||after - start||
+    (no pass over ``a``), then, where that leaves it open, with ||after|| read from ``a``."""
     err_lo, err_hi = max(resid.lo - off, 0.0), resid.hi + off
-    verdict = None
-    if start_norm is not None:  # ||after|| within ||start|| -+ ||after - start||: no pass over after
+    if start_norm is not None:
         start_b, step_hi = known(start_norm), moved.hi * (1 + 2 * U) + under
         final = Norm(start_b.value, max(start_b.lo - step_hi, 0.0), start_b.hi + step_hi)
         verdict = _decide(rtol, expected, e_off, err_lo, err_hi, final, moved, resid)
-    final = norm_bounds(a) if verdict is None else None
-    if final is not None:
-        verdict = _decide(rtol, expected, e_off, err_lo, err_hi, final, moved, resid)
-    return verdict
+        if verdict is not None:
+            return verdict
+    final = norm_bounds(a)
+    return None if final is None else _decide(rtol, expected, e_off, err_lo, err_hi, final, moved, resid)
 
 
 def _decide(rtol: float, expected: Norm, e_off: float, err_lo: float, err_hi: float, final: Norm, moved: Norm,
@@ -281,13 +288,4 @@ def adam_check(after: torch.Tensor, start: torch.Tensor, grad: torch.Tensor, sta
     if resid is None:
         return None
     off = (1 + 4 * U) * (U * moved.hi + U * resid.hi) + e_off + under  # ||r_hat - r||
-    err_lo, err_hi = max(resid.lo - off, 0.0), resid.hi + off
-    verdict = None
-    if start_norm is not None:
-        start_b, step_hi = known(start_norm), moved.hi * (1 + 2 * U) + under
-        final = Norm(start_b.value, max(start_b.lo - step_hi, 0.0), start_b.hi + step_hi)
-        verdict = _decide(rtol, expected, e_off, err_lo, err_hi, final, moved, resid)
-    final = norm_bounds(a) if verdict is None else None
-    if final is not None:
-        verdict = _decide(rtol, expected, e_off, err_lo, err_hi, final, moved, resid)
-    return verdict
+    return _conclude(rtol, expected, e_off, off, resid, moved, start_norm, a, under)
