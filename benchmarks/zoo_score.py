@@ -6,6 +6,7 @@ warning or error, and how many crash.
     python benchmarks/zoo_score.py --half scored            # the half kept for scoring
     python benchmarks/zoo_score.py --half all --heldout     # other batch, input size, optimizer and seed
     python benchmarks/zoo_score.py --half all --heldout2    # a second such variation, run once
+    python benchmarks/zoo_score.py --half all --heldout3    # a third, run once
     python benchmarks/zoo_score.py --models tv/resnet18 hf/gpt2 --json out.json
 
 Default run: plain SGD (lr 0.01), batch 2, each model's small input, 3 steps, seed 0.
@@ -14,7 +15,10 @@ per model by the hash of its name), seed 1. ``--heldout2``, fixed before it was 
 run once, after the last change to the checks it measures: batch 4, inputs a quarter as large
 again (``size + size // 4``), seed 2, and plain SGD, SGD with momentum, Adam or AdamW, fixed per
 model by the hash of ``"heldout2:" + name`` (another assignment than ``--heldout``'s, and plain
-SGD among them). One thread; run it with ``nice``.
+SGD among them). ``--heldout3``, fixed the same way before its one run, after the rule for zero
+gradients behind closed ReLU gates: batch 5, inputs three eighths as large again
+(``size + 3 * size // 8``), seed 3, optimizers by the hash of ``"heldout3:" + name`` over the same
+four. One thread; run it with ``nice``.
 """
 
 from __future__ import annotations
@@ -44,9 +48,21 @@ def heldout_optimizer(name: str) -> str:
 HELDOUT2_OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
 
 
-def heldout2_optimizer(name: str) -> str:
-    digest = int(hashlib.sha256(f"heldout2:{name}".encode()).hexdigest(), 16)
+def hashed_optimizer(salt: str, name: str) -> str:
+    digest = int(hashlib.sha256(f"{salt}:{name}".encode()).hexdigest(), 16)
     return HELDOUT2_OPTIMIZERS[digest % len(HELDOUT2_OPTIMIZERS)]
+
+
+def heldout2_optimizer(name: str) -> str:
+    return hashed_optimizer("heldout2", name)
+
+
+# The held-out variations: (optimizer of a model's name, batch, input size of the model's own, seed).
+VARIATIONS = {
+    "heldout": (heldout_optimizer, 3, lambda size: size + size // 2, 1),
+    "heldout2": (heldout2_optimizer, 4, lambda size: size + size // 4, 2),
+    "heldout3": (lambda name: hashed_optimizer("heldout3", name), 5, lambda size: size + 3 * size // 8, 3),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,11 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="*", default=None, help="names from tests/zoo.py (overrides --half)")
     parser.add_argument("--heldout", action="store_true", help="other batch, input size, optimizer and seed")
     parser.add_argument("--heldout2", action="store_true", help="a second variation: batch 4, inputs 1.25x, seed 2")
+    parser.add_argument("--heldout3", action="store_true", help="a third variation: batch 5, inputs 1.375x, seed 3")
     parser.add_argument("--json", default=None, help="write every outcome here")
     args = parser.parse_args(argv)
-    if args.heldout and args.heldout2:
-        print("--heldout and --heldout2 are two variations: choose one", file=sys.stderr)
+    chosen = [v for v in VARIATIONS if getattr(args, v)]
+    if len(chosen) > 1:
+        print(f"{' and '.join('--' + v for v in chosen)} are different variations: choose one", file=sys.stderr)
         return 2
+    variation = VARIATIONS[chosen[0]] if chosen else None
     torch.set_num_threads(1)
     zoo_entries = zoo.entries()
     unknown = [m for m in args.models or [] if m not in zoo_entries]
@@ -70,15 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in names:
         entry, start = zoo_entries[name], time.perf_counter()
-        if args.heldout:
-            out = zoo.run(entry, heldout_optimizer(name), batch=3, size=entry.size + entry.size // 2, seed=1)
-        elif args.heldout2:
-            out = zoo.run(entry, heldout2_optimizer(name), batch=4, size=entry.size + entry.size // 4, seed=2)
+        if variation is not None:
+            optimizer_of, batch, size_of, seed = variation
+            optimizer = optimizer_of(name)
+            out = zoo.run(entry, optimizer, batch=batch, size=size_of(entry.size), seed=seed)
         else:
-            out = zoo.run(entry)
+            optimizer, out = "sgd", zoo.run(entry)
         seconds = time.perf_counter() - start
-        optimizer = (heldout_optimizer(name) if args.heldout else heldout2_optimizer(name) if args.heldout2
-                     else "sgd")
         rows.append({"model": name, "half": zoo.half(name), "optimizer": optimizer, "flagged": out.flagged,
                      "kinds": out.kinds,
                      "crash": out.crash, "unfit": out.unfit, "seconds": round(seconds, 2),
@@ -102,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 def write(args: argparse.Namespace, rows: list[dict]) -> None:
     path = Path(args.json)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps({"heldout": args.heldout, "heldout2": args.heldout2, "half": args.half, "rows": rows},
+    tmp.write_text(json.dumps({**{v: getattr(args, v) for v in VARIATIONS}, "half": args.half, "rows": rows},
                               indent=1))
     tmp.replace(path)
 

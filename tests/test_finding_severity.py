@@ -342,3 +342,37 @@ def test_a_gradient_vanishing_through_depth_stays_a_warning():
     report = diagnose(model, torch.optim.SGD(model.parameters(), lr=0.1), ce(model))
     assert ("tiny_gradient", "inp.bias", "warning") in {(f.kind, f.name, f.severity) for f in report.findings}, \
         str(report)
+
+
+class SqueezeExcite(nn.Module):
+    """A squeeze-excitation gate with two hidden units, as in an SE block: pooled channels ->
+    fc1 -> ReLU -> fc2 -> sigmoid, scaling the features. ``shift`` moves fc1's output: at -4 both
+    hidden units are off for every example of the batch below; ``broken`` multiplies the pooled
+    input by zero (a zero made in front of the gate, on every batch)."""
+
+    def __init__(self, shift: float, broken: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.features, self.fc1, self.fc2 = nn.Linear(6, 6), nn.Linear(6, 2), nn.Linear(2, 6)
+        self.head, self.shift, self.broken = nn.Linear(6, 3), shift, broken
+
+    def forward(self, x):
+        h = self.features(x)
+        pooled = torch.tanh(h) * (0.0 if self.broken else 1.0)
+        gate = torch.sigmoid(self.fc2(F.relu(self.fc1(pooled) + self.shift)))
+        return self.head(h * gate)
+
+
+def test_a_gate_closed_for_this_batch_is_information_and_a_zero_in_front_of_it_is_not():
+    closed = SqueezeExcite(shift=-4.0)  # tanh keeps fc1's input within 1: both units below zero here
+    report = diagnose(closed, torch.optim.SGD(closed.parameters(), lr=0.1), ce(closed))
+    zero = {f.name: f for f in report.findings if f.kind == "zero_gradient"}
+    assert set(zero) == {"fc1.weight", "fc1.bias", "fc2.weight"} and not report.flagged(), str(report)
+    assert all(f.severity == "info" and "ReLU" in f.detail for f in zero.values())
+    opened = SqueezeExcite(shift=4.0)  # the units on: no zero at all
+    assert not [f for f in diagnose(opened, torch.optim.SGD(opened.parameters(), lr=0.1), ce(opened)).findings
+                if f.kind == "zero_gradient"]
+    broken = SqueezeExcite(shift=4.0, broken=True)  # fc1 reads zeros: its weight's gradient is zero past any gate
+    report = diagnose(broken, torch.optim.SGD(broken.parameters(), lr=0.1), ce(broken))
+    assert ("zero_gradient", "fc1.weight", "warning") in {(f.kind, f.name, f.severity) for f in report.flagged()}, \
+        str(report)

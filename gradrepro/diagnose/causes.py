@@ -297,6 +297,49 @@ def selected_out(closure: Callable[[], Any], tensors: list[torch.Tensor], zero: 
     return {i: how for i, g in zip(zero, grads) if g is not None and bool(torch.isfinite(g).all()) and bool(g.any())}
 
 
+# ReLU-like gates: an entry whose input is below the threshold passes nothing, forward or back.
+GATES = {"relu": "ReLU", "relu_": "ReLU", "relu6": "ReLU6", "hardtanh": "hardtanh (ReLU6)",
+         "hardtanh_": "hardtanh (ReLU6)", "threshold": "threshold", "threshold_": "threshold"}
+
+
+class _OpenGates(TorchFunctionMode):
+    """Every ReLU-like gate (``GATES``) passes its input unchanged, in the forward pass and so in
+    the backward: the network as if each gate were open on every entry of the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in GATES and args and isinstance(args[0], torch.Tensor):
+            self.seen.add(GATES[name])
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+def gated_out(closure: Callable[[], Any], tensors: list[torch.Tensor], zero: list[int],
+              seed: int = 0) -> dict[int, str]:
+    """Index of a zero-gradient tensor -> the gates that closed its path on this batch: rerun
+    with every ReLU-like gate open (``_OpenGates``), its gradient is not zero. A gate off for
+    every example of one batch (a squeeze-excitation block's few hidden units, a ReLU on a
+    regression output) is the batch's doing, which another batch can change; a zero made
+    elsewhere (a product with zero, a zero weight in front, a step function) is not revived.
+    A unit dead on every batch is not told apart here: the recorder's rule over logged steps is."""
+    if not zero:
+        return {}
+    gates = _OpenGates()
+    with torch.random.fork_rng(), torch.enable_grad():
+        with gates:
+            loss = _loss(closure, seed)
+        if not isinstance(loss, torch.Tensor) or loss.grad_fn is None or not gates.seen:
+            return {}
+        grads = torch.autograd.grad(loss, [tensors[i] for i in zero], allow_unused=True)
+    how = ", ".join(sorted(gates.seen))
+    return {i: how for i, g in zip(zero, grads)
+            if g is not None and all_finite(dense(g)) and bool(dense(g).any())}
+
+
 def ordinary_behind(closure: Callable[[], Any], tensors: list[torch.Tensor], tiny: list[int], ordinary: set[int],
                     seed: int = 0) -> dict[int, int]:
     """Index of a tiny-gradient tensor -> the index of a tensor behind the computed inputs of

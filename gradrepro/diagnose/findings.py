@@ -120,6 +120,8 @@ def _gradient_findings(tr: Transition, fp16_fraction: float, tiny_factor: float)
             findings.append(Finding("zero_gradient", r.name, _DRAWN, INFO))
         elif state[i] == "zero" and i in tr.selected:
             findings.append(_selected_out(tr, i))
+        elif state[i] == "zero" and i in tr.gated:
+            findings.append(_gated_out(tr, i))
         elif state[i] == "zero" and i not in tr.zero_causes:
             cut = ("; its path goes through " + "; ".join(tr.cuts[i])) if i in tr.cuts else ""
             findings.append(Finding("zero_gradient", r.name, f"the gradient is exactly zero everywhere{cut}", WARNING))
@@ -148,6 +150,15 @@ def _selected_out(tr: Transition, i: int) -> Finding:
         "which took none of the entries it feeds on this batch (a detection head's level no anchor matched, no "
         "positive location); with every entry selected its gradient is not zero (checked). A zero another batch "
         f"fills: gradrepro.record says when it holds at {PERSIST_STEPS} logged steps in a row"), INFO)
+
+
+def _gated_out(tr: Transition, i: int) -> Finding:
+    """A zero gradient ReLU-like gates made on this batch: information, until it persists."""
+    return Finding("zero_gradient", tr.rows[i].name, (
+        f"the gradient is exactly zero on this batch: every path from the loss to it passes a {tr.gated[i]} that "
+        "is off for every example here (or its input is such a gate's zero output); with the gates open its "
+        "gradient is not zero (checked). Another batch can open them; units off on every batch are dead: "
+        f"gradrepro.record says when the zero holds at {PERSIST_STEPS} logged steps in a row"), INFO)
 
 
 def _no_gradient(tr: Transition, i: int) -> Finding:

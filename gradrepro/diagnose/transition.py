@@ -70,6 +70,7 @@ class Transition:
     fp16: bool = False  # the loss was computed under float16 autocast
     cuts: dict = field(default_factory=dict)  # index -> the calls that cut or flatten its path
     selected: dict = field(default_factory=dict)  # index -> the selections that took none of its entries
+    gated: dict = field(default_factory=dict)  # index -> the ReLU-like gates closed on all of its path
     unattenuated: dict = field(default_factory=dict)  # tiny index -> index of an ordinary gradient behind its op
     unaligned: dict = field(default_factory=dict)  # index -> its gradient's norm with random incoming directions
     scratch: Any = None  # float32 buffers of the float32 arithmetic (``float32_check.Scratch``), freed at the end
@@ -304,6 +305,8 @@ def _explain(tr: Transition, closure: Callable[[], torch.Tensor]) -> None:
         # cut on a side path (a comparison that builds a mask from the predictions) does not zero.
         tr.selected = causes.selected_out(closure, tensors, [i for i in zero if i not in tr.zero_causes
                                                              and i not in tr.stochastic])
+        tr.gated = causes.gated_out(closure, tensors, [i for i in zero if i not in tr.zero_causes
+                                                       and i not in tr.stochastic and i not in tr.selected])
         judged = tr.has & (tr.nonfinite == 0) & (tr.nonzero > 0) & (tr.p_norm > 0) & np.isfinite(tr.g_to_p)
         ordinary = {i for i in trainable if judged[i] and tr.state[i] == "finite"}
         tiny = [i for i in trainable if tr.state[i] == "tiny"]
