@@ -143,22 +143,25 @@ _DRAWN = ("zero on this draw of the model's randomness (dropout, stochastic dept
           "gradient is not zero")
 
 
+def _zero_this_batch(tr: Transition, i: int, why: str, persists: str) -> Finding:
+    """A zero gradient this batch made (a selection that took nothing, gates all off):
+    information, until it persists over logged steps."""
+    return Finding("zero_gradient", tr.rows[i].name, f"the gradient is exactly zero on this batch: {why}"
+                   f"gradrepro.record says when {persists} at {PERSIST_STEPS} logged steps in a row", INFO)
+
+
 def _selected_out(tr: Transition, i: int) -> Finding:
-    """A zero gradient a data-dependent selection made: information, until it persists."""
-    return Finding("zero_gradient", tr.rows[i].name, (
-        f"the gradient is exactly zero on this batch: the loss reads this tensor's output through {tr.selected[i]}, "
-        "which took none of the entries it feeds on this batch (a detection head's level no anchor matched, no "
-        "positive location); with every entry selected its gradient is not zero (checked). A zero another batch "
-        f"fills: gradrepro.record says when it holds at {PERSIST_STEPS} logged steps in a row"), INFO)
+    return _zero_this_batch(tr, i, (
+        f"the loss reads this tensor's output through {tr.selected[i]}, which took none of the entries it feeds on "
+        "this batch (a detection head's level no anchor matched, no positive location); with every entry selected "
+        "its gradient is not zero (checked). A zero another batch fills: "), "it holds")
 
 
 def _gated_out(tr: Transition, i: int) -> Finding:
-    """A zero gradient ReLU-like gates made on this batch: information, until it persists."""
-    return Finding("zero_gradient", tr.rows[i].name, (
-        f"the gradient is exactly zero on this batch: every path from the loss to it passes a {tr.gated[i]} that "
-        "is off for every example here (or its input is such a gate's zero output); with the gates open its "
-        "gradient is not zero (checked). Another batch can open them; units off on every batch are dead: "
-        f"gradrepro.record says when the zero holds at {PERSIST_STEPS} logged steps in a row"), INFO)
+    return _zero_this_batch(tr, i, (
+        f"every path from the loss to it passes a {tr.gated[i]} that is off for every example here (or its input "
+        "is such a gate's zero output); with the gates open its gradient is not zero (checked). Another batch can "
+        "open them; units off on every batch are dead: "), "the zero holds")
 
 
 def _no_gradient(tr: Transition, i: int) -> Finding:
