@@ -65,7 +65,7 @@ from gradrepro.records.provenance import versions
 from gradrepro.records.run import RUN_SCALARS
 from gradrepro.records.writer import Records, flush_seconds
 from gradrepro.watch.invariants import recorder_error_hit
-from gradrepro.watch.over_steps import findings_over_steps
+from gradrepro.watch.over_steps import StepStates
 from gradrepro.watch.watcher import KINDS, FindingError, LiveFinding, TrainingFinding, Watch, check_options
 
 log = logging.getLogger(__name__)
@@ -175,6 +175,7 @@ class Recorder:
                               before_on=before_on)
             self.net = unwrap(model)  # DDP's and torch.compile's wrappers: the names of the model itself
             self.records = Records(self.run_dir)
+            self._states = StepStates()  # per parameter over the logged steps, kept as they come (findings)
             self._bf16, self._on_finding, self._stopped, self._hooks = bf16, on_finding, False, hooks
             self.probe, self.combiner, self.watch = None, None, None
             # Built now, or, where a lazy module creates its parameters in the first forward
@@ -386,6 +387,7 @@ class Recorder:
             current.__exit__(None, None, None)
             if current.columns is not None:
                 self.records.add_modules(current.columns)
+                self._states.add(current.columns)
                 self._open_row = {"step": self.step, "loss": math.nan, "lr": self.probe.lr,
                                   "loss_scale": self.probe.loss_scale, **step_norms(current.columns),
                                   **{k: _number(v) for k, v in scalars.items()}}
@@ -516,11 +518,10 @@ class Recorder:
         frozen = [n for n, p in zip(self.probe.names, self.probe.params) if not p.requires_grad]
         outside = [n for n, p in zip(self.probe.names, self.probe.params)
                    if p.requires_grad and held is not None and id(p) not in held]
-        modules = self.records.modules()
         lrs = ({id(p): float(g.get("lr", math.nan)) for g in self.optimizer.param_groups for p in g["params"]}
                if self.optimizer else {})
         updates = {n: (lrs.get(id(p), math.nan), p.dtype) for n, p in zip(self.probe.names, self.probe.params)}
-        over = findings_over_steps(modules, frozen, outside, updates) if "grad_state" in modules else []
+        over = self._states.findings(frozen, outside, updates)
         clip = clipped_while_scaled(self.records.scalars())  # a clip before the scaler's unscale
         over = ([clip] if clip is not None else []) + over
         seen = {(f.kind, f.name) for f in over}  # summarised over the steps: they stand for the live ones
@@ -529,7 +530,7 @@ class Recorder:
         if found:
             return found
         # Said, not left blank: ``print(*rec.findings())`` on a healthy model prints this line.
-        logged = int(modules["step"].nunique()) if "step" in modules else 0
+        logged = len(self._states.steps)
         detail = (f"no findings over {logged} logged step(s): no parameter lacked a gradient or had a zero, tiny "
                   "or non-finite one, and every one was updated" if logged
                   else "no findings: no step has been logged yet, so there is nothing to judge")

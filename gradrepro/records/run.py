@@ -4,7 +4,7 @@ back from a run folder (``records.reader.read_run(path).records()``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Any, Dict, Mapping
 
 import numpy as np
 import pandas as pd
@@ -35,8 +35,8 @@ def reference_constant(param: str, column: str) -> str:
     return f"reference/{param}/{column}"
 
 
-def parameter_names(modules: pd.DataFrame) -> np.ndarray:
+def parameter_names(modules: Mapping[str, Any]) -> np.ndarray:
     """Each ``modules.parquet`` row's tensor as ``named_parameters()`` names it: ``module.param``
-    (a parameter of the root module by its own name)."""
-    module, param = modules["module"].astype(str), modules["param"].astype(str)
-    return np.where(module == "<root>", param, module + "." + param)
+    (a parameter of the root module by its own name); ``modules``: the frame, or its columns."""
+    return np.array([str(p) if m == "<root>" else f"{m}.{p}" for m, p in zip(modules["module"], modules["param"])],
+                    dtype=object)
