@@ -63,7 +63,7 @@ from gradrepro.records.figure import plot_signals
 from gradrepro.records.files import FIGURE, SUMMARY, ensure_writable_dir, write_json
 from gradrepro.records.provenance import versions
 from gradrepro.records.run import RUN_SCALARS
-from gradrepro.records.writer import Records, flush_seconds
+from gradrepro.records.writer import Records
 from gradrepro.watch.invariants import recorder_error_hit
 from gradrepro.watch.over_steps import StepStates
 from gradrepro.watch.watcher import KINDS, FindingError, LiveFinding, TrainingFinding, Watch, check_options
@@ -192,7 +192,7 @@ class Recorder:
             self._scalars: dict[str, Any] = {}  # rec.log() values of the step in progress
             self._open_row: Optional[dict[str, Any]] = None  # the last logged step's row, open to rec.log()
             self._last_row: Optional[dict[str, Any]] = None  # the last unlogged step's scalars (read at close)
-            self._start, self._last_flush, self._versions = time.perf_counter(), None, versions()
+            self._start, self._versions = time.perf_counter(), versions()
             self._handles: list = []
             if hooks:
                 if optimizer is None or not hasattr(optimizer, "register_step_pre_hook"):
@@ -393,7 +393,7 @@ class Recorder:
                                   **{k: _number(v) for k, v in scalars.items()}}
         self.step += 1
         self._begun = False
-        if current is not None and (self._last_flush is None or time.monotonic() - self._last_flush > flush_seconds()):
+        if current is not None and self._writes and self.records.due():
             self.flush()
         if self.watch is not None:
             self.watch.each_after_step(self.step - 1, current is not None)
@@ -433,14 +433,12 @@ class Recorder:
         """Write the records so far and the summary (atomically); a failing disk warns, the
         records stay in memory for the next write."""
         if not self._writes:
-            self._last_flush = time.monotonic()
             return
         try:
             self.records.flush()
             self._write_summary(self.status or "running")
         except OSError as exc:
             log.warning("could not write the records yet (%s); will try again", exc)
-        self._last_flush = time.monotonic()
 
     def _write_summary(self, status: str, error: Optional[BaseException] = None) -> None:
         if not self._writes:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -17,6 +18,11 @@ from gradrepro.records.files import MODULES, SCALARS, atomic_write
 # FLUSH_SECONDS during a run, and at the end. GRADREPRO_FLUSH_SECONDS changes the period
 # (tests use 0: a write on every logged step, to kill a run in the middle of one).
 FLUSH_SECONDS = 10.0
+# A rewrite takes time in proportion to the rows so far (1M module rows: about 1 s on one CPU
+# core), so a fixed period would let it grow into a tenth of a long run's time. The period is
+# stretched to the last write's duration over WRITE_SHARE: the rewrites then take at most that
+# share of the wall time between them, at the price of more steps since the last write on disk.
+WRITE_SHARE = 0.01
 
 
 def flush_seconds() -> float:
@@ -35,6 +41,17 @@ class Records:
         self.scalar_rows: List[Dict[str, float]] = []
         self.module_blocks: List[Dict[str, np.ndarray]] = []
         self.saved_through: Dict[str, Optional[int]] = {}  # file -> last step it holds on disk
+        self._period = flush_seconds()
+        self._written_at: Optional[float] = None  # time.monotonic() at the end of the last write
+        self._write_seconds = 0.0  # how long it took
+
+    def due(self) -> bool:
+        """Whether a write during the run is due: none yet, or the period (``FLUSH_SECONDS``,
+        stretched by ``WRITE_SHARE`` for long runs; 0: always) has passed since the last."""
+        if self._written_at is None or self._period <= 0:
+            return True
+        period = max(self._period, self._write_seconds / WRITE_SHARE)
+        return time.monotonic() - self._written_at > period
 
     def add_scalars(self, row: Dict[str, float]) -> None:
         self.scalar_rows.append(row)
@@ -71,6 +88,14 @@ class Records:
         """Write both Parquet files (atomically), each on its own: one that cannot be written
         (a full disk) leaves its last complete version in place. Returns one line per file
         not written, saying what its file on disk holds instead."""
+        started = time.monotonic()
+        try:
+            return self._write_all()
+        finally:
+            self._written_at = time.monotonic()
+            self._write_seconds = self._written_at - started
+
+    def _write_all(self) -> List[str]:
         missing = []
         for name, frame in ((SCALARS, self.scalars()), (MODULES, self.modules())):
             try:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from typing import Callable, Sequence
 
 import torch
@@ -27,7 +26,7 @@ from gradrepro.objectives import micro_batch_weights
 from gradrepro.probe.probe import step_norms
 from gradrepro.recipe.build import Training
 from gradrepro.recipe.clipping import clip_at
-from gradrepro.records.writer import Records, flush_seconds
+from gradrepro.records.writer import Records
 from gradrepro.train.finish import Outcome
 from gradrepro.train.session import SafeBar, StopRequest
 
@@ -39,7 +38,6 @@ def train_steps(cfg: DictConfig, t: Training, records: Records, generator: torch
     """The training steps, until the last one, a divergence, a signal or an exception."""
     steps = cfg.train.steps
     outcome = Outcome()
-    last_flush, period = None, flush_seconds()  # first flush right after the first logged step
     bar = SafeBar(steps, cfg.name)
     step = 0
     try:
@@ -57,9 +55,8 @@ def train_steps(cfg: DictConfig, t: Training, records: Records, generator: torch
             if stop.signal is not None:
                 outcome.status, outcome.stopped_at = "interrupted", step
                 break
-            if logged and (last_flush is None or time.monotonic() - last_flush > period):
+            if logged and records.due():  # the first right after the first logged step
                 flush_or_warn(records)
-                last_flush = time.monotonic()
         else:
             step = steps
     except KeyboardInterrupt:  # a second signal, or Ctrl-C where no handler could be set
