@@ -6,7 +6,10 @@ For each seed: the experiment's network as its run builds it (`experiment=simsia
 train mode, nothing trained), over eight training batches of that seed's views: the mean cosine
 between the two views' normalised z of one image, the same between one image's view and
 another image's (the batch rolled by one), their gap (what the predictor can regress at the
-start) and the norm of the batch's mean normalised z (what a constant p can match). Overrides
+start), the norm of the batch's mean normalised z (what a constant p can match) and the first
+conv's DC content (per filter |sum of its weights| / (sqrt(k) x its norm), k = its 9 weights: 1
+for a constant filter, the mean over the filters; such a filter answers the background's
+coarse, view-independent blobs rather than the template's edges). Overrides
 after `--` go to the config (`-- data.background_std=3.0`). The page's "The control's stuck
 state" reads these.
 """
@@ -44,7 +47,15 @@ def view_agreement(seed: int, overrides: list[str]) -> dict:
             mean_norm.append(float(z1.mean(0).norm()))
     same_m, other_m = statistics.mean(same), statistics.mean(other)
     return {"seed": seed, "cos_same_image": same_m, "cos_other_image": other_m,
-            "gap": same_m - other_m, "mean_zhat_norm": statistics.mean(mean_norm)}
+            "gap": same_m - other_m, "mean_zhat_norm": statistics.mean(mean_norm),
+            "first_conv_dc": first_conv_dc(net.backbone)}
+
+
+def first_conv_dc(backbone: torch.nn.Module) -> float:
+    """The mean over the first conv's filters of |sum w| / (sqrt(k) |w|) (k weights each)."""
+    conv = next(m for m in backbone.modules() if isinstance(m, torch.nn.Conv2d))
+    w = conv.weight.detach().flatten(1)
+    return float((w.sum(1).abs() / (w.shape[1] ** 0.5 * w.norm(dim=1))).mean())
 
 
 def main(argv: list[str]) -> int:
@@ -53,12 +64,12 @@ def main(argv: list[str]) -> int:
         print("usage: python experiments/simsiam_init_views.py SEED [SEED ...] [-- OVERRIDE ...]", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    print("| seed | cos(z1, z2), same image | cos, other image | gap | norm of mean z/|z| |")
-    print("| --: | --: | --: | --: | --: |")
+    print("| seed | cos(z1, z2), same image | cos, other image | gap | norm of mean z/|z| | first conv's DC |")
+    print("| --: | --: | --: | --: | --: | --: |")
     for seed in seeds:
         r = view_agreement(int(seed), overrides)
         print(f"| {r['seed']} | {r['cos_same_image']:.3f} | {r['cos_other_image']:.3f} | {r['gap']:.3f} "
-              f"| {r['mean_zhat_norm']:.3f} |")
+              f"| {r['mean_zhat_norm']:.3f} | {r['first_conv_dc']:.3f} |")
     return 0
 
 
