@@ -240,9 +240,18 @@ def vision_labels(g: torch.Generator, batch: int, size: int) -> dict:
     return {"pixel_values": x, "labels": y}
 
 
+# CLIP's text tower pools the hidden state at the first end-of-text token (its config's
+# eos_token_id), which its tokenizer puts at the end of every text, after a start-of-text token
+# at the beginning. The tiny config's two tokens are the vocabulary's last ids (CLIPConfig's own,
+# 49406 and 49407, lie outside a 128-token vocabulary: no position matched, and the tower pooled
+# position 0, which the causal mask lets attend to itself alone).
+CLIP_BOS, CLIP_EOS = VOCAB - 2, VOCAB - 1
+
+
 def image_text(g: torch.Generator, batch: int, size: int) -> dict:
-    return {"input_ids": torch.randint(3, VOCAB, (batch, SEQ), generator=g),
-            "pixel_values": torch.randn(batch, 3, size, size, generator=g), "return_loss": True}
+    ids = torch.randint(3, CLIP_BOS, (batch, SEQ), generator=g)
+    ids[:, 0], ids[:, -1] = CLIP_BOS, CLIP_EOS
+    return {"input_ids": ids, "pixel_values": torch.randn(batch, 3, size, size, generator=g), "return_loss": True}
 
 
 def audio(g: torch.Generator, batch: int, size: int) -> dict:  # size: the mel frames (2 x source positions)
@@ -297,7 +306,9 @@ def huggingface() -> list[Entry]:
                         num_labels=CLASSES),
     }
     def clip(size: int = SIZE) -> nn.Module:
-        return _hf("CLIPModel", "CLIPConfig", projection_dim=16, text_config={**_TEXT, "max_position_embeddings": 16},
+        text = {**_TEXT, "max_position_embeddings": 16, "bos_token_id": CLIP_BOS,
+                "eos_token_id": CLIP_EOS}
+        return _hf("CLIPModel", "CLIPConfig", projection_dim=16, text_config=text,
                    vision_config={**{k: v for k, v in vit.items() if k != "num_labels"}, "image_size": size})()
 
     def whisper(size: int = 32) -> nn.Module:  # size: mel frames, twice the encoder's positions
