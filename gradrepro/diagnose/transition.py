@@ -73,6 +73,8 @@ class Transition:
     gated: dict = field(default_factory=dict)  # index -> the ReLU-like gates closed on all of its path
     unattenuated: dict = field(default_factory=dict)  # tiny index -> index of an ordinary gradient behind its op
     unaligned: dict = field(default_factory=dict)  # index -> its gradient's norm with random incoming directions
+    read_graph: Any = None  # the loss's graph kept after backward, with the norms read there (``causes.ReadGraph``)
+    loss: Any = None  # the loss's value as a tensor, detached (compared with a rerun's)
     scratch: Any = None  # float32 buffers of the float32 arithmetic (``float32_check.Scratch``), freed at the end
     # -- around the step (``_step_and_predict``)
     at_step: list = field(default_factory=list)  # the parameters as the step found them (after forward)
@@ -116,16 +118,31 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
     try:
         for t in tensors:
             t.grad = None
+        drawn = _rng_states()
         loss, tr.fp16 = _fresh_loss(closure, tensors, model)
+        drawn = not _same_states(drawn, _rng_states())  # the closure drew random numbers (dropout, a sampler)
         tr.loss_value = float(loss.detach().double())
+        tr.loss = loss.detach()
         if loss.grad_fn is not None:
             feeds = feeds_normaliser(loss.grad_fn)
             tr.feeds = {i: feeds[id(t)] for i, t in enumerate(tensors) if id(t) in feeds}
         tr.graph = loss.requires_grad
         tr.inference = loss.is_inference()
         unhooked = loss_gradients(loss, tensors) if tr.graph else None
-        if tr.graph:
-            _backward(loss)
+        # The random-direction test of tiny gradients (``causes.unaligned_gradients``) reads the
+        # gradients reaching the tensors' operations: read here, and the graph kept, where a
+        # rerun of the closure can give this same graph (it drew no random numbers; checked
+        # again against a rerun's loss before use) and no tensor has a hook of its own.
+        handles: list = []
+        if tr.graph and probe_paths and unhooked is None and not drawn:
+            tr.read_graph, handles = causes.watch_operations(
+                loss.grad_fn, {id(t) for r, t in zip(rows, tensors) if r.registered and t.requires_grad})
+        try:
+            if tr.graph:
+                _backward(loss, retain=tr.read_graph is not None)
+        finally:
+            for h in handles:
+                h.remove()
         del loss
         tr.fresh_versions = [None if t.grad is None else t.grad._version for t in tensors]
         # A copy of .grad right after backward where code can still rewrite it in place before
@@ -142,6 +159,8 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
             if path not in orphans and all(path != p for p, _ in tr.nonleaf):
                 tr.nonleaf.append((path, t))
         _classify(tr, tiny_factor)
+        if not (tr.state == "tiny").any():
+            tr.read_graph = None  # no tiny gradient to test: the graph's saved tensors go now
         # The reruns below see .grad as the first run did (None), and cannot reach backward's.
         live = [t.grad for t in tensors]
         for t in tensors:
@@ -152,13 +171,14 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
                 tr.depends[i] = causes.loss_depends(closure, r.tensor)
         if tr.graph and probe_paths:
             _explain(tr, closure)
+        tr.read_graph = None
         for b, saved in buffers:  # the extra forward passes may have moved batch-norm statistics
             b.copy_(saved)
         for t, g in zip(tensors, live):
             t.grad = g
         _step_and_predict(tr, optimizer, step, rtol)
     finally:
-        tr.scratch = None
+        tr.scratch = tr.read_graph = None
         for t, g in zip(tensors, tr.grads_before):
             t.grad = g
         with torch.no_grad():
@@ -209,9 +229,21 @@ def fp16_autocast() -> bool:
     return False
 
 
-def _backward(loss: torch.Tensor) -> None:
+def _rng_states() -> list[torch.Tensor]:
+    """The states of torch's CPU generator and of every initialised CUDA generator."""
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += list(torch.cuda.get_rng_state_all())
+    return states
+
+
+def _same_states(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _backward(loss: torch.Tensor, retain: bool = False) -> None:
     try:
-        loss.backward()
+        loss.backward(retain_graph=retain)
     except RuntimeError as exc:
         first = str(exc).splitlines()[0].split(" Hint:")[0]  # torch's own hint follows; ours replaces it
         if "inplace operation" in first or "in-place operation" in first:
@@ -310,13 +342,29 @@ def _explain(tr: Transition, closure: Callable[[], torch.Tensor]) -> None:
         judged = tr.has & (tr.nonfinite == 0) & (tr.nonzero > 0) & (tr.p_norm > 0) & np.isfinite(tr.g_to_p)
         ordinary = {i for i in trainable if judged[i] and tr.state[i] == "finite"}
         tiny = [i for i in trainable if tr.state[i] == "tiny"]
-        tr.unattenuated = causes.ordinary_behind(closure, tensors, tiny, ordinary)
+        reruns: list = []
+        tr.unattenuated = causes.ordinary_behind(_seen_by(closure, reruns), tensors, tiny, ordinary)
         open_tiny = [i for i in tiny if i not in tr.unattenuated and judged[i]]
         if open_tiny:
             reference = _spread(sorted(i for i in ordinary if tr.g_to_p[i] >= tr.median), REFERENCE_SAMPLE)
-            tr.unaligned = causes.unaligned_gradients(closure, tensors, open_tiny + reference)
+            # The backward's own graph where the rerun just made (under the test's seed) gave
+            # the same loss, bit for bit: the test's forward and first backward are then those.
+            same = (tr.read_graph is not None and len(reruns) == 1 and reruns[0].shape == tr.loss.shape
+                    and reruns[0].dtype == tr.loss.dtype and torch.equal(reruns[0], tr.loss))
+            tr.unaligned = causes.unaligned_gradients(closure, tensors, open_tiny + reference,
+                                                      graph=tr.read_graph if same else None)
     except Exception as exc:  # noqa: BLE001 - the user's closure may do anything
         tr.notes.append(f"causes of missing/zero gradients not examined: the closure failed on a rerun ({exc})")
+
+
+def _seen_by(closure: Callable[[], torch.Tensor], seen: list) -> Callable[[], torch.Tensor]:
+    """The closure, its losses (detached) appended to ``seen``."""
+    def run() -> torch.Tensor:
+        out = closure()
+        if isinstance(out, torch.Tensor):
+            seen.append(out.detach())
+        return out
+    return run
 
 
 # The reference of the random-direction test (``findings._unattenuated_reach``) is a median;
