@@ -117,3 +117,39 @@ def test_a_closure_that_draws_random_numbers_gets_a_rerun_of_its_own(monkeypatch
     monkeypatch.undo()
     _spy(monkeypatch, whole=True)
     assert _decisions(PreNormBranch(dropout=0.1)) == local
+
+
+class Branch(nn.Module):
+    """A branch multiplied by a keep factor: 0 always (``alternate`` False), or 0 and 1 on
+    alternate calls, from a call counter (state the random seed does not reach)."""
+
+    def __init__(self, alternate=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.branch, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.alternate, self.calls = alternate, 0
+
+    def forward(self, x):
+        self.calls += 1
+        keep = float(self.alternate and self.calls % 2 == 0)
+        h = torch.tanh(self.inp(x))
+        return self.head(h + keep * torch.tanh(self.branch(h)))
+
+
+@pytest.mark.parametrize("alternate, expected", [(False, set()), (True, {2, 3})])
+def test_a_draw_that_is_the_first_run_again_makes_no_backward_pass(monkeypatch, alternate, expected):
+    """``causes.drawn_zeros`` skips the backward of a draw that drew no random numbers and gave
+    the first run's loss bit for bit (the same graph: the same zeros); a closure whose next call
+    differs by state the seed does not reach gives another loss, and its backward is made."""
+    model = Branch(alternate)
+    tensors = list(model.parameters())  # inp.weight, inp.bias, branch.weight, branch.bias, ...
+    closure = lambda: F.cross_entropy(model(X), Y)  # noqa: E731
+    first = closure()  # keep 0: the branch's gradient is zero
+    assert not any(g.any() for g in torch.autograd.grad(first, tensors[2:4]))
+    backward = []
+    grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: backward.append(1) or grad(*a, **k))
+    assert causes.drawn_zeros(closure, tensors, [2, 3], same_as=first.detach()) == expected
+    assert len(backward) == (1 if alternate else 0)
+    model.calls = 1
+    assert causes.drawn_zeros(closure, tensors, [2, 3]) == expected  # without the shortcut

@@ -234,24 +234,51 @@ def loss_depends(closure: Callable[[], Any], tensor: torch.Tensor, seed: int = 0
     return moved != base
 
 
+def random_states() -> list[torch.Tensor]:
+    """The states of torch's CPU generator and of every initialised CUDA generator: unchanged
+    across a run of the closure, the run drew no random numbers from them."""
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += list(torch.cuda.get_rng_state_all())
+    return states
+
+
+def same_states(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two losses equal bit for bit (NaN never equal)."""
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a.detach(), b.detach())
+
+
 # Other draws of the model's randomness (dropout, stochastic depth) tried for a zero or missing
 # gradient: a block stochastic depth drops for a whole batch of B samples at rate p is dropped on
 # a draw with probability p^B, so two more draws find it kept unless p^B is large.
 _DRAWS = (1, 2)
 
 
-def drawn_zeros(closure: Callable[[], Any], tensors: list[torch.Tensor], which: list[int]) -> set[int]:
+def drawn_zeros(closure: Callable[[], Any], tensors: list[torch.Tensor], which: list[int],
+                same_as: torch.Tensor | None = None) -> set[int]:
     """The indices in ``which`` whose gradient is non-zero under another random seed: their zero
-    (or missing) gradient is a draw of the model's randomness, not its structure."""
+    (or missing) gradient is a draw of the model's randomness, not its structure. ``same_as``:
+    the loss of the run whose gradients are zero or missing there, where that run drew no random
+    numbers and no tensor hook can change its gradients. A draw that draws no random numbers
+    either and gives that loss bit for bit is that run again (the same graph, so the same zero
+    and missing gradients): its backward pass is not made."""
     found: set[int] = set()
     for seed in _DRAWS:
         left = [i for i in which if i not in found]
         if not left:
             break
         with torch.random.fork_rng(), torch.enable_grad():
-            loss = _loss(closure, seed)
+            torch.manual_seed(seed)
+            states = random_states()
+            loss = closure()
             if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
                 return found
+            if same_as is not None and same_bits(loss, same_as) and same_states(states, random_states()):
+                continue
             grads = torch.autograd.grad(loss, [tensors[i] for i in left], allow_unused=True)
         found |= {i for i, g in zip(left, grads) if g is not None and bool(g.any())}
     return found
@@ -449,6 +476,15 @@ def _local(root: object, read: dict, tensors: list[torch.Tensor], tiny: list[int
         return None
     generator = torch.Generator().manual_seed(seed)
     arrived: dict = {}  # node -> {output slot: gradient summed so far}
+    # A leaf's gradient is complete once every edge into it has been seen: its norm is taken
+    # then and the gradient let go, so that the leaves' gradients are not all held at once.
+    pending: dict = {}
+    for node in nodes:
+        for child, _ in node.next_functions:
+            if child in sinks:
+                pending[child] = pending.get(child, 0) + 1
+    found: dict[int, float] = {}
+    index = {id(tensors[i]): i for i in wanted}
     try:
         nodes.sort(key=lambda n: n._sequence_nr(), reverse=True)
         with torch.no_grad():
@@ -471,20 +507,25 @@ def _local(root: object, read: dict, tensors: list[torch.Tensor], tiny: list[int
                     slots = arrived.pop(node, {})
                     incoming = [slots.get(k) for k in range(len(node._input_metadata))]
                 out = node(*incoming)
-                for (child, slot), g in zip(node.next_functions, out if isinstance(out, tuple) else (out,)):
-                    if g is None or child is None or (child not in chain and child not in sinks):
+                outs = out if isinstance(out, tuple) else (out,)
+                for k, (child, slot) in enumerate(node.next_functions):
+                    g = outs[k] if k < len(outs) else None
+                    if child is None or (child not in chain and child not in sinks):
                         continue
-                    g = _as_engine_passes(g, child._input_metadata[slot])
-                    slots = arrived.setdefault(child, {})
-                    slots[slot] = g if slot not in slots else slots[slot] + g
+                    if g is not None:
+                        g = _as_engine_passes(g, child._input_metadata[slot])
+                        slots = arrived.setdefault(child, {})
+                        slots[slot] = g if slot not in slots else slots[slot] + g
+                    if child in sinks:
+                        pending[child] -= 1
+                        if pending[child] == 0:
+                            leaf = arrived.pop(child, {}).get(0)
+                            i = index.get(sinks[child])
+                            if i is not None and leaf is not None and all_finite(dense(leaf)):
+                                found[i] = float(torch.linalg.vector_norm(dense(leaf)))
     except Exception:  # noqa: BLE001 - a node that cannot be called alone: the whole-model pass
         return None
-    found = {}
-    for i in wanted:
-        g = arrived.get(accumulate[id(tensors[i])], {}).get(0)
-        if g is not None and all_finite(dense(g)):
-            found[i] = float(torch.linalg.vector_norm(dense(g)))
-    return found
+    return {i: found[i] for i in wanted if i in found}
 
 
 def _as_engine_passes(g: torch.Tensor, meta: Any) -> torch.Tensor:

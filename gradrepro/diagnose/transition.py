@@ -74,7 +74,7 @@ class Transition:
     unattenuated: dict = field(default_factory=dict)  # tiny index -> index of an ordinary gradient behind its op
     unaligned: dict = field(default_factory=dict)  # index -> its gradient's norm with random incoming directions
     read_graph: Any = None  # the loss's graph kept after backward, with the norms read there (``causes.ReadGraph``)
-    loss: Any = None  # the loss's value as a tensor, detached (compared with a rerun's)
+    loss: Any = None  # the loss, detached, where a rerun with this loss is this run again (else None)
     scratch: Any = None  # float32 buffers of the float32 arithmetic (``float32_check.Scratch``), freed at the end
     # -- around the step (``_step_and_predict``)
     at_step: list = field(default_factory=list)  # the parameters as the step found them (after forward)
@@ -118,23 +118,25 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
     try:
         for t in tensors:
             t.grad = None
-        drawn = _rng_states()
+        drawn = causes.random_states()
         loss, tr.fp16 = _fresh_loss(closure, tensors, model)
-        drawn = not _same_states(drawn, _rng_states())  # the closure drew random numbers (dropout, a sampler)
+        drawn = not causes.same_states(drawn, causes.random_states())  # it drew random numbers (dropout, a sampler)
         tr.loss_value = float(loss.detach().double())
-        tr.loss = loss.detach()
         if loss.grad_fn is not None:
             feeds = feeds_normaliser(loss.grad_fn)
             tr.feeds = {i: feeds[id(t)] for i, t in enumerate(tensors) if id(t) in feeds}
         tr.graph = loss.requires_grad
         tr.inference = loss.is_inference()
         unhooked = loss_gradients(loss, tensors) if tr.graph else None
+        # A rerun that gives this loss bit for bit and draws no random numbers is this run again,
+        # where no tensor hook sits between the graph and the gradients (``causes``).
+        tr.loss = loss.detach() if tr.graph and unhooked is None and not drawn else None
         # The random-direction test of tiny gradients (``causes.unaligned_gradients``) reads the
         # gradients reaching the tensors' operations: read here, and the graph kept, where a
         # rerun of the closure can give this same graph (it drew no random numbers; checked
         # again against a rerun's loss before use) and no tensor has a hook of its own.
         handles: list = []
-        if tr.graph and probe_paths and unhooked is None and not drawn:
+        if tr.loss is not None and probe_paths:
             tr.read_graph, handles = causes.watch_operations(
                 loss.grad_fn, {id(t) for r, t in zip(rows, tensors) if r.registered and t.requires_grad})
         try:
@@ -229,18 +231,6 @@ def fp16_autocast() -> bool:
     return False
 
 
-def _rng_states() -> list[torch.Tensor]:
-    """The states of torch's CPU generator and of every initialised CUDA generator."""
-    states = [torch.get_rng_state()]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states += list(torch.cuda.get_rng_state_all())
-    return states
-
-
-def _same_states(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-
-
 def _backward(loss: torch.Tensor, retain: bool = False) -> None:
     try:
         loss.backward(retain_graph=retain)
@@ -329,7 +319,8 @@ def _explain(tr: Transition, closure: Callable[[], torch.Tensor]) -> None:
     try:
         tr.zero_causes = causes.zero_init_causes(closure, tensors, zero, movers)
         unexplained = [i for i in trainable if tr.state[i] == "none" or (i in zero and i not in tr.zero_causes)]
-        tr.stochastic = causes.drawn_zeros(closure, tensors, [i for i in unexplained if tr.depends[i] is not True])
+        tr.stochastic = causes.drawn_zeros(closure, tensors, [i for i in unexplained if tr.depends[i] is not True],
+                                           same_as=tr.loss)
         if unexplained:
             tr.cuts = causes.cuts_by_tensor(causes.record_cuts(closure), tensors, unexplained)
         # Tried on zeros with a recorded cut too: a cut that removes a path leaves no gradient
@@ -349,8 +340,7 @@ def _explain(tr: Transition, closure: Callable[[], torch.Tensor]) -> None:
             reference = _spread(sorted(i for i in ordinary if tr.g_to_p[i] >= tr.median), REFERENCE_SAMPLE)
             # The backward's own graph where the rerun just made (under the test's seed) gave
             # the same loss, bit for bit: the test's forward and first backward are then those.
-            same = (tr.read_graph is not None and len(reruns) == 1 and reruns[0].shape == tr.loss.shape
-                    and reruns[0].dtype == tr.loss.dtype and torch.equal(reruns[0], tr.loss))
+            same = tr.read_graph is not None and len(reruns) == 1 and causes.same_bits(reruns[0], tr.loss)
             tr.unaligned = causes.unaligned_gradients(closure, tensors, open_tiny + reference,
                                                       graph=tr.read_graph if same else None)
     except Exception as exc:  # noqa: BLE001 - the user's closure may do anything
