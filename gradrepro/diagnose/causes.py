@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch.autograd.graph import GradientEdge
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -503,11 +504,11 @@ def _local(root: object, read: dict, tensors: list[torch.Tensor], tiny: list[int
                             return None
                         incoming.append(_random_of(norm, shape, dtype, device, generator))
                     arrived.pop(node, None)
+                    outs = _operation_backward(node, incoming, entered, chain, sinks)
                 else:
                     slots = arrived.pop(node, {})
-                    incoming = [slots.get(k) for k in range(len(node._input_metadata))]
-                out = node(*incoming)
-                outs = out if isinstance(out, tuple) else (out,)
+                    out = node(*[slots.get(k) for k in range(len(node._input_metadata))])
+                    outs = out if isinstance(out, tuple) else (out,)
                 for k, (child, slot) in enumerate(node.next_functions):
                     g = outs[k] if k < len(outs) else None
                     if child is None or (child not in chain and child not in sinks):
@@ -526,6 +527,43 @@ def _local(root: object, read: dict, tensors: list[torch.Tensor], tiny: list[int
     except Exception:  # noqa: BLE001 - a node that cannot be called alone: the whole-model pass
         return None
     return {i: found[i] for i in wanted if i in found}
+
+
+def _operation_backward(node: Any, incoming: list, entered: dict, chain: set, sinks: dict) -> tuple:
+    """An operation's backward from the gradients reaching it, per edge of ``next_functions``,
+    on the edges into the chains below it (None elsewhere). Where each leaf below those edges
+    enters this operation alone, by the engine (``autograd.grad`` from the node to those edges),
+    which computes only the outputs asked for (a convolution's weight gradient where its bias's
+    alone is asked is not computed); the gradient arriving at an edge is then the same as the
+    node's own. Elsewhere (a leaf that enters another operation too, which a path from this one
+    may reach), the node called on its own, all of its outputs."""
+    targets = list(dict.fromkeys((child, slot) for child, slot in node.next_functions
+                                 if child is not None and (child in chain or child in sinks)))
+    alone = all(entered.get(_leaf_below(child, sinks)) == [node] for child, _ in targets)
+    roots = [(GradientEdge(node, k), g) for k, g in enumerate(incoming) if g is not None]
+    if not alone or not roots or not targets:
+        out = node(*incoming)
+        return out if isinstance(out, tuple) else (out,)
+    got = torch.autograd.grad([e for e, _ in roots], [GradientEdge(child, slot) for child, slot in targets],
+                              grad_outputs=[g for _, g in roots], retain_graph=True, allow_unused=True)
+    at = dict(zip(targets, got))
+    outs, taken = [], set()
+    for edge in node.next_functions:  # a repeated edge (x * x) takes the sum once
+        outs.append(at.get(edge) if edge in at and edge not in taken else None)
+        taken.add(edge)
+    return tuple(outs)
+
+
+def _leaf_below(node: Any, sinks: dict) -> int | None:
+    """id of the leaf a chain of one-input nodes ends at (``sinks``: AccumulateGrad -> id)."""
+    for _ in range(64):
+        if node in sinks:
+            return sinks[node]
+        children = [c for c, _ in node.next_functions if c is not None]
+        if len(children) != 1:
+            return None
+        node = children[0]
+    return None
 
 
 def _as_engine_passes(g: torch.Tensor, meta: Any) -> torch.Tensor:
