@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.autograd.graph import GradientEdge
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -540,17 +539,18 @@ def _operation_backward(node: Any, incoming: list, entered: dict, chain: set, si
     targets = list(dict.fromkeys((child, slot) for child, slot in node.next_functions
                                  if child is not None and (child in chain or child in sinks)))
     alone = all(entered.get(_leaf_below(child, sinks)) == [node] for child, _ in targets)
-    roots = [(GradientEdge(node, k), g) for k, g in enumerate(incoming) if g is not None]
+    edge = getattr(torch.autograd.graph, "GradientEdge", None)
+    roots = [(edge(node, k), g) for k, g in enumerate(incoming) if g is not None] if edge is not None else []
     if not alone or not roots or not targets:
         out = node(*incoming)
         return out if isinstance(out, tuple) else (out,)
-    got = torch.autograd.grad([e for e, _ in roots], [GradientEdge(child, slot) for child, slot in targets],
+    got = torch.autograd.grad([e for e, _ in roots], [edge(child, slot) for child, slot in targets],
                               grad_outputs=[g for _, g in roots], retain_graph=True, allow_unused=True)
     at = dict(zip(targets, got))
     outs, taken = [], set()
-    for edge in node.next_functions:  # a repeated edge (x * x) takes the sum once
-        outs.append(at.get(edge) if edge in at and edge not in taken else None)
-        taken.add(edge)
+    for pair in node.next_functions:  # a repeated edge (x * x) takes the sum once
+        outs.append(at.get(pair) if pair in at and pair not in taken else None)
+        taken.add(pair)
     return tuple(outs)
 
 
