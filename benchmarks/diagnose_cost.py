@@ -13,7 +13,8 @@ time over one step's; of the call's CPU time, the system's share and the page fa
 kernel's time to back memory the process touches for the first time). Memory: the peak
 resident set after the call minus the peak after the training steps, as a multiple of the
 parameters' bytes (the call's extra copies). Phases: the transition's named steps
-(``gradrepro.diagnose.transition``), timed by wrapping them.
+(``gradrepro.diagnose.transition``), timed by wrapping them, and the peak resident memory
+when each ended (the same multiple): where the call's extra copies are first reached.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def one(name: str, size: int, steps: int, optimizer: str = "sgd") -> dict:
     step_cpu, step_wall = (time.process_time() - cpu) / steps, (time.perf_counter() - wall) / steps
     peak_train = _peak_mb()
     spent: dict = {}
+    peaks: dict = {}  # phase -> the process's peak resident memory when it ended, MB above peak_train
     closures = [0]
 
     def timed(module, attr):
@@ -83,6 +85,7 @@ def one(name: str, size: int, steps: int, optimizer: str = "sgd") -> dict:
                 return fn(*a, **k)
             finally:
                 spent[attr] = spent.get(attr, 0.0) + time.process_time() - t0
+                peaks[attr] = max(_peak_mb() - peak_train, 0.0)
         setattr(module, attr, wrapper)
 
     for phase in PHASES:
@@ -110,6 +113,7 @@ def one(name: str, size: int, steps: int, optimizer: str = "sgd") -> dict:
             "param_MB": round(param_mb, 1), "extra_peak_MB": round(extra_mb, 1),
             "extra_copies": round(extra_mb / param_mb, 2),
             "phases_cpu_s": {k: round(v, 3) for k, v in spent.items()},
+            "phases_peak_copies": {k: round(v / param_mb, 2) for k, v in peaks.items()},
             "findings": len(report.findings)}
 
 

@@ -48,6 +48,7 @@ from gradrepro.diagnose.graph import (
     leaves_behind_inputs,
     leaves_of,
     nodes_of,
+    operations_and_chains,
     operations_entered,
     wide,
 )
@@ -233,24 +234,51 @@ def loss_depends(closure: Callable[[], Any], tensor: torch.Tensor, seed: int = 0
     return moved != base
 
 
+def random_states() -> list[torch.Tensor]:
+    """The states of torch's CPU generator and of every initialised CUDA generator: unchanged
+    across a run of the closure, the run drew no random numbers from them."""
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += list(torch.cuda.get_rng_state_all())
+    return states
+
+
+def same_states(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two losses equal bit for bit (NaN never equal)."""
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a.detach(), b.detach())
+
+
 # Other draws of the model's randomness (dropout, stochastic depth) tried for a zero or missing
 # gradient: a block stochastic depth drops for a whole batch of B samples at rate p is dropped on
 # a draw with probability p^B, so two more draws find it kept unless p^B is large.
 _DRAWS = (1, 2)
 
 
-def drawn_zeros(closure: Callable[[], Any], tensors: list[torch.Tensor], which: list[int]) -> set[int]:
+def drawn_zeros(closure: Callable[[], Any], tensors: list[torch.Tensor], which: list[int],
+                same_as: torch.Tensor | None = None) -> set[int]:
     """The indices in ``which`` whose gradient is non-zero under another random seed: their zero
-    (or missing) gradient is a draw of the model's randomness, not its structure."""
+    (or missing) gradient is a draw of the model's randomness, not its structure. ``same_as``:
+    the loss of the run whose gradients are zero or missing there, where that run drew no random
+    numbers and no tensor hook can change its gradients. A draw that draws no random numbers
+    either and gives that loss bit for bit is that run again (the same graph, so the same zero
+    and missing gradients): its backward pass is not made."""
     found: set[int] = set()
     for seed in _DRAWS:
         left = [i for i in which if i not in found]
         if not left:
             break
         with torch.random.fork_rng(), torch.enable_grad():
-            loss = _loss(closure, seed)
+            torch.manual_seed(seed)
+            states = random_states()
+            loss = closure()
             if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
                 return found
+            if same_as is not None and same_bits(loss, same_as) and same_states(states, random_states()):
+                continue
             grads = torch.autograd.grad(loss, [tensors[i] for i in left], allow_unused=True)
         found |= {i for i, g in zip(left, grads) if g is not None and bool(g.any())}
     return found
@@ -363,18 +391,29 @@ def ordinary_behind(closure: Callable[[], Any], tensors: list[torch.Tensor], tin
 
 
 def unaligned_gradients(closure: Callable[[], Any], tensors: list[torch.Tensor], tiny: list[int],
-                        seed: int = 0) -> dict[int, float]:
+                        seed: int = 0, graph: ReadGraph | None = None) -> dict[int, float]:
     """Index of a tiny-gradient tensor -> the norm of the gradient it gets when the gradient
     reaching each operation it enters keeps its norm but takes a random direction. A vanishing
     gradient (attenuated through depth, a scaled-down branch) or a small input to the operation
     keeps it small, for it is small in every direction; a gradient much larger than the real one
     says that the gradient reaching the operation is not attenuated and the tensor's own is
     small because that gradient is nearly orthogonal to what the tensor changes (a gain whose
-    scale a normalisation after it cancels, a sum over positions whose terms cancel). Two
-    backward passes: the first reads the norms, the second replaces the gradients by random
-    ones of those norms (so a replacement nearer the loss does not change the norm another gets)."""
+    scale a normalisation after it cancels, a sum over positions whose terms cancel).
+
+    One backward pass reads the norms of the gradients reaching the operations; the random
+    gradients then go through those operations and the one-input nodes below them alone
+    (``_local``), where the whole-model form (a second backward pass with each operation's
+    gradient replaced) computed the same numbers through the whole graph. ``graph``: the
+    closure's graph and the norms an earlier backward read from it (``watch_operations``), used
+    in place of a forward and a backward of our own where the caller established that a rerun
+    under ``seed`` gives that same graph. Where the local form cannot run (a path it cannot
+    follow, an operation it cannot call), the second backward pass does."""
     if not tiny:
         return {}
+    if graph is not None:
+        found = _local(graph.root, graph.read, tensors, tiny, seed)
+        if found is not None:
+            return found
     with torch.random.fork_rng(), torch.enable_grad():
         loss = _loss(closure, seed)
         if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
@@ -384,13 +423,166 @@ def unaligned_gradients(closure: Callable[[], Any], tensors: list[torch.Tensor],
         wanted = [i for i in tiny if id(tensors[i]) in entered]
         if not ops or not wanted:
             return {}
-        norms: dict = {}
-        _grad_with_hooks(loss, [tensors[i] for i in wanted], ops, lambda op: _reading(op, norms), retain=True)
+        read: dict = {}
+        _grad_with_hooks(loss, [tensors[i] for i in wanted], ops, lambda op: _reading(op, read), retain=True)
+        found = _local(loss.grad_fn, read, tensors, tiny, seed)
+        if found is not None:
+            return found
         generator = torch.Generator().manual_seed(seed)
         grads = _grad_with_hooks(loss, [tensors[i] for i in wanted], ops,
-                                 lambda op: _randomising(norms.get(op), generator), retain=False)
+                                 lambda op: _randomising(read.get(op), generator), retain=False)
     return {i: float(torch.linalg.vector_norm(dense(g))) for i, g in zip(wanted, grads)
             if g is not None and all_finite(dense(g))}
+
+
+@dataclass
+class ReadGraph:
+    """A loss's graph kept after its backward (``retain_graph``), with what the backward's
+    reading hooks saw at each operation (``_reading``)."""
+
+    root: object
+    read: dict
+
+
+def watch_operations(root: object, leaf_ids: set[int]) -> tuple[ReadGraph, list]:
+    """Reading hooks (``_reading``) on the operations the leaves enter, for the backward pass
+    that follows: (the graph with what they will read, the hooks' handles to remove)."""
+    entered = operations_entered(root, leaf_ids)
+    ops = list(dict.fromkeys(op for found in entered.values() for op in found))
+    graph = ReadGraph(root, {})
+    return graph, [op.register_prehook(_reading(op, graph.read)) for op in ops]
+
+
+def _local(root: object, read: dict, tensors: list[torch.Tensor], tiny: list[int], seed: int) -> dict | None:
+    """``unaligned_gradients``'s second pass through the operations and the one-input nodes
+    below them alone, calling their backward functions on the saved graph, or None where that
+    is not the same computation. The whole-model pass replaces the gradient reaching every
+    operation (so nothing above them enters the tensors' gradients) and the engine runs nodes
+    in decreasing sequence number, so the random gradients are drawn here in that order from
+    the same generator, of the same shapes and dtypes, and the gradients reaching a node are
+    summed in the same order: the same numbers. Not where a node is not torch's own (a Python
+    autograd Function, which may hold hooks), a path leaves the chain, a norm was not finite or
+    a gradient sparse (the whole-model pass keeps the gradient flowing there), or a call fails."""
+    entered, accumulate, chain, complete = operations_and_chains(root, {id(tensors[i]) for i in tiny})
+    if not complete:
+        return None
+    ops = list(dict.fromkeys(op for found in entered.values() for op in found))
+    wanted = [i for i in tiny if id(tensors[i]) in entered]
+    if not ops or not wanted:
+        return {}
+    opset, sinks = set(ops), {node: leaf for leaf, node in accumulate.items()}
+    nodes = list(opset | chain)
+    if any(not _torch_node(n) for n in nodes):
+        return None
+    generator = torch.Generator().manual_seed(seed)
+    arrived: dict = {}  # node -> {output slot: gradient summed so far}
+    # A leaf's gradient is complete once every edge into it has been seen: its norm is taken
+    # then and the gradient let go, so that the leaves' gradients are not all held at once.
+    pending: dict = {}
+    for node in nodes:
+        for child, _ in node.next_functions:
+            if child in sinks:
+                pending[child] = pending.get(child, 0) + 1
+    found: dict[int, float] = {}
+    index = {id(tensors[i]): i for i in wanted}
+    try:
+        nodes.sort(key=lambda n: n._sequence_nr(), reverse=True)
+        with torch.no_grad():
+            for node in nodes:
+                if node in opset:
+                    seen = read.get(node)
+                    if seen is None:
+                        return None
+                    incoming = []
+                    for entry in seen:
+                        if entry is None:
+                            incoming.append(None)
+                            continue
+                        norm, shape, dtype, device = entry
+                        if norm is None or not math.isfinite(norm):
+                            return None
+                        incoming.append(_random_of(norm, shape, dtype, device, generator))
+                    arrived.pop(node, None)
+                    outs = _operation_backward(node, incoming, entered, chain, sinks)
+                else:
+                    slots = arrived.pop(node, {})
+                    out = node(*[slots.get(k) for k in range(len(node._input_metadata))])
+                    outs = out if isinstance(out, tuple) else (out,)
+                for k, (child, slot) in enumerate(node.next_functions):
+                    g = outs[k] if k < len(outs) else None
+                    if child is None or (child not in chain and child not in sinks):
+                        continue
+                    if g is not None:
+                        g = _as_engine_passes(g, child._input_metadata[slot])
+                        slots = arrived.setdefault(child, {})
+                        slots[slot] = g if slot not in slots else slots[slot] + g
+                    if child in sinks:
+                        pending[child] -= 1
+                        if pending[child] == 0:
+                            leaf = arrived.pop(child, {}).get(0)
+                            i = index.get(sinks[child])
+                            if i is not None and leaf is not None and all_finite(dense(leaf)):
+                                found[i] = float(torch.linalg.vector_norm(dense(leaf)))
+    except Exception:  # noqa: BLE001 - a node that cannot be called alone: the whole-model pass
+        return None
+    return {i: found[i] for i in wanted if i in found}
+
+
+def _operation_backward(node: Any, incoming: list, entered: dict, chain: set, sinks: dict) -> tuple:
+    """An operation's backward from the gradients reaching it, per edge of ``next_functions``,
+    on the edges into the chains below it (None elsewhere). Where each leaf below those edges
+    enters this operation alone, by the engine (``autograd.grad`` from the node to those edges),
+    which computes only the outputs asked for (a convolution's weight gradient where its bias's
+    alone is asked is not computed); the gradient arriving at an edge is then the same as the
+    node's own. Elsewhere (a leaf that enters another operation too, which a path from this one
+    may reach), the node called on its own, all of its outputs."""
+    targets = list(dict.fromkeys((child, slot) for child, slot in node.next_functions
+                                 if child is not None and (child in chain or child in sinks)))
+    alone = all(entered.get(_leaf_below(child, sinks)) == [node] for child, _ in targets)
+    edge = getattr(torch.autograd.graph, "GradientEdge", None)
+    roots = [(edge(node, k), g) for k, g in enumerate(incoming) if g is not None] if edge is not None else []
+    if not alone or not roots or not targets:
+        out = node(*incoming)
+        return out if isinstance(out, tuple) else (out,)
+    got = torch.autograd.grad([e for e, _ in roots], [edge(child, slot) for child, slot in targets],
+                              grad_outputs=[g for _, g in roots], retain_graph=True, allow_unused=True)
+    at = dict(zip(targets, got))
+    outs, taken = [], set()
+    for pair in node.next_functions:  # a repeated edge (x * x) takes the sum once
+        outs.append(at.get(pair) if pair in at and pair not in taken else None)
+        taken.add(pair)
+    return tuple(outs)
+
+
+def _leaf_below(node: Any, sinks: dict) -> int | None:
+    """id of the leaf a chain of one-input nodes ends at (``sinks``: AccumulateGrad -> id)."""
+    for _ in range(64):
+        if node in sinks:
+            return sinks[node]
+        children = [c for c, _ in node.next_functions if c is not None]
+        if len(children) != 1:
+            return None
+        node = children[0]
+    return None
+
+
+def _as_engine_passes(g: torch.Tensor, meta: Any) -> torch.Tensor:
+    """A node's output as the engine hands it to the next node (its ``validate_outputs``):
+    summed to the shape that node expects (a broadcast bias), then in its dtype and device."""
+    if meta.is_nested_tensor:
+        raise ValueError("nested tensor")
+    if tuple(g.shape) != tuple(meta.shape):
+        g = g.sum_to_size(meta.shape)
+    if g.dtype != meta.dtype:
+        g = g.to(meta.dtype)
+    if g.device != meta.device:
+        g = g.to(meta.device)
+    return g
+
+
+def _torch_node(node: object) -> bool:
+    """A backward node of torch's own operations (C++), not a Python autograd Function's."""
+    return type(node).__module__ == "builtins" and not hasattr(node, "_forward_cls")
 
 
 def _grad_with_hooks(loss: torch.Tensor, inputs: list[torch.Tensor], ops: list, hook_of: Callable,
@@ -403,29 +595,37 @@ def _grad_with_hooks(loss: torch.Tensor, inputs: list[torch.Tensor], ops: list, 
             h.remove()
 
 
-def _reading(op: object, norms: dict) -> Callable:
-    # In the gradient's own dtype: the norms only set the random gradients' sizes, which are
-    # compared with a reference tiny_factor (1e4) away; float32's rounding does not move that.
+def _reading(op: object, read: dict) -> Callable:
+    # The norms in the gradient's own dtype: they only set the random gradients' sizes, which
+    # are compared with a reference tiny_factor (1e4) away; float32's rounding does not move that.
+    # With each norm, the shape, dtype and device its random gradient takes.
     def hook(grad_outputs: tuple) -> None:
-        norms[op] = [None if g is None or g.is_sparse else float(torch.linalg.vector_norm(g.detach()))
-                     for g in grad_outputs]
+        read[op] = [None if g is None else
+                    (None if g.is_sparse else float(torch.linalg.vector_norm(g.detach())), g.shape, g.dtype, g.device)
+                    for g in grad_outputs]
     return hook
 
 
-def _randomising(norms: list | None, generator: torch.Generator) -> Callable:
+def _random_of(norm: float, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+               generator: torch.Generator) -> torch.Tensor:
+    """A random gradient of this norm: drawn on the CPU generator in float32 (in the gradient's
+    complex dtype for a complex one, float64 for a float64 one), scaled once."""
+    r = torch.randn(shape, generator=generator,
+                    dtype=dtype if dtype.is_complex or dtype == torch.float64 else torch.float32)
+    size = float(torch.linalg.vector_norm(r))
+    return r.mul_(norm / size if size > 0 else 0.0).to(dtype=dtype, device=device)
+
+
+def _randomising(read: list | None, generator: torch.Generator) -> Callable:
     def hook(grad_outputs: tuple) -> tuple | None:
-        if norms is None:
+        if read is None:
             return None
         out = []
-        for g, norm in zip(grad_outputs, norms):
+        for g, entry in zip(grad_outputs, read):
+            norm = None if entry is None else entry[0]
             if g is None or norm is None or g.is_sparse or not math.isfinite(norm):
                 out.append(g)
                 continue
-            # drawn on the CPU generator in float32 (in g's complex dtype for a complex g), scaled once
-            r = torch.randn(g.shape, generator=generator,
-                            dtype=g.dtype if g.is_complex() or g.dtype == torch.float64 else torch.float32)
-            size = float(torch.linalg.vector_norm(r))
-            out.append(r.mul_(norm / size if size > 0 else 0.0).to(dtype=g.dtype, device=g.device))
+            out.append(_random_of(norm, g.shape, g.dtype, g.device, generator))
         return tuple(out)
     return hook
-

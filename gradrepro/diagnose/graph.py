@@ -122,17 +122,48 @@ def operations_entered(root: object, leaf_ids: set[int]) -> dict[int, list]:
             for leaf, start in accumulate.items()}
 
 
-def _operations_above(start: object, parents: dict) -> list:
+def _operations_above(start: object, parents: dict, chain: set | None = None) -> list:
     """(operation, the child it was reached from): the first nodes above ``start`` with more
-    than one input, climbing through one-input nodes (a view or ``.t()`` of the leaf alone)."""
+    than one input, climbing through one-input nodes (a view or ``.t()`` of the leaf alone).
+    ``chain``, where given, receives those one-input nodes, and None when the climb stopped at
+    its limit of 64 operations before it had seen every path."""
     frontier, ops = [(p, start) for p in parents.get(start, [])], []
     while frontier and len(ops) < 64:
         node, came_from = frontier.pop()
         if len([c for c, _ in node.next_functions if c is not None]) == 1:
             frontier.extend((p, node) for p in parents.get(node, []))
+            if chain is not None:
+                chain.add(node)
         else:
             ops.append((node, came_from))
+    if frontier and chain is not None:
+        chain.add(None)  # incomplete: a path above was not followed
     return ops
+
+
+def operations_and_chains(root: object, leaf_ids: set[int]) -> tuple[dict[int, list], dict[int, object], set, bool]:
+    """What the random-direction test computes a leaf's gradient from, locally: (the operations
+    each leaf enters, as ``operations_entered`` finds them; id(leaf) -> its ``AccumulateGrad``;
+    the one-input nodes between those operations and the leaves; whether that is every path
+    from the operations to the leaves: no climb stopped at its limit and the walk of the graph
+    did not stop at ``_WALK_LIMIT``). Every node above a leaf's chain is then one of its
+    operations, so the leaf's gradient is a function of the gradients reaching them alone."""
+    parents: dict = {}
+    accumulate: dict[int, object] = {}
+    nodes = nodes_of(root)
+    for node in nodes:
+        leaf = getattr(node, "variable", None)
+        if isinstance(leaf, torch.Tensor) and id(leaf) in leaf_ids:
+            accumulate[id(leaf)] = node
+        for child, _ in getattr(node, "next_functions", ()):
+            if child is not None:
+                parents.setdefault(child, []).append(node)
+    chain: set = set()
+    entered = {leaf: list(dict.fromkeys(op for op, _ in _operations_above(start, parents, chain)))
+               for leaf, start in accumulate.items()}
+    complete = None not in chain and len(nodes) < _WALK_LIMIT
+    chain.discard(None)
+    return entered, accumulate, chain, complete
 
 
 def _first_accepted(starts: list, accept: Callable[[object, torch.Tensor], bool]) -> int | None:

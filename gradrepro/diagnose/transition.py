@@ -73,6 +73,8 @@ class Transition:
     gated: dict = field(default_factory=dict)  # index -> the ReLU-like gates closed on all of its path
     unattenuated: dict = field(default_factory=dict)  # tiny index -> index of an ordinary gradient behind its op
     unaligned: dict = field(default_factory=dict)  # index -> its gradient's norm with random incoming directions
+    read_graph: Any = None  # the loss's graph kept after backward, with the norms read there (``causes.ReadGraph``)
+    loss: Any = None  # the loss, detached, where a rerun with this loss is this run again (else None)
     scratch: Any = None  # float32 buffers of the float32 arithmetic (``float32_check.Scratch``), freed at the end
     # -- around the step (``_step_and_predict``)
     at_step: list = field(default_factory=list)  # the parameters as the step found them (after forward)
@@ -116,7 +118,9 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
     try:
         for t in tensors:
             t.grad = None
+        drawn = causes.random_states()
         loss, tr.fp16 = _fresh_loss(closure, tensors, model)
+        drawn = not causes.same_states(drawn, causes.random_states())  # it drew random numbers (dropout, a sampler)
         tr.loss_value = float(loss.detach().double())
         if loss.grad_fn is not None:
             feeds = feeds_normaliser(loss.grad_fn)
@@ -124,8 +128,23 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
         tr.graph = loss.requires_grad
         tr.inference = loss.is_inference()
         unhooked = loss_gradients(loss, tensors) if tr.graph else None
-        if tr.graph:
-            _backward(loss)
+        # A rerun that gives this loss bit for bit and draws no random numbers is this run again,
+        # where no tensor hook sits between the graph and the gradients (``causes``).
+        tr.loss = loss.detach() if tr.graph and unhooked is None and not drawn else None
+        # The random-direction test of tiny gradients (``causes.unaligned_gradients``) reads the
+        # gradients reaching the tensors' operations: read here, and the graph kept, where a
+        # rerun of the closure can give this same graph (it drew no random numbers; checked
+        # again against a rerun's loss before use) and no tensor has a hook of its own.
+        handles: list = []
+        if tr.loss is not None and probe_paths:
+            tr.read_graph, handles = causes.watch_operations(
+                loss.grad_fn, {id(t) for r, t in zip(rows, tensors) if r.registered and t.requires_grad})
+        try:
+            if tr.graph:
+                _backward(loss, retain=tr.read_graph is not None)
+        finally:
+            for h in handles:
+                h.remove()
         del loss
         tr.fresh_versions = [None if t.grad is None else t.grad._version for t in tensors]
         # A copy of .grad right after backward where code can still rewrite it in place before
@@ -142,6 +161,8 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
             if path not in orphans and all(path != p for p, _ in tr.nonleaf):
                 tr.nonleaf.append((path, t))
         _classify(tr, tiny_factor)
+        if not (tr.state == "tiny").any():
+            tr.read_graph = None  # no tiny gradient to test: the graph's saved tensors go now
         # The reruns below see .grad as the first run did (None), and cannot reach backward's.
         live = [t.grad for t in tensors]
         for t in tensors:
@@ -152,13 +173,14 @@ def run_transition(model: nn.Module, optimizer: torch.optim.Optimizer, closure: 
                 tr.depends[i] = causes.loss_depends(closure, r.tensor)
         if tr.graph and probe_paths:
             _explain(tr, closure)
+        tr.read_graph = None
         for b, saved in buffers:  # the extra forward passes may have moved batch-norm statistics
             b.copy_(saved)
         for t, g in zip(tensors, live):
             t.grad = g
         _step_and_predict(tr, optimizer, step, rtol)
     finally:
-        tr.scratch = None
+        tr.scratch = tr.read_graph = None
         for t, g in zip(tensors, tr.grads_before):
             t.grad = g
         with torch.no_grad():
@@ -209,9 +231,9 @@ def fp16_autocast() -> bool:
     return False
 
 
-def _backward(loss: torch.Tensor) -> None:
+def _backward(loss: torch.Tensor, retain: bool = False) -> None:
     try:
-        loss.backward()
+        loss.backward(retain_graph=retain)
     except RuntimeError as exc:
         first = str(exc).splitlines()[0].split(" Hint:")[0]  # torch's own hint follows; ours replaces it
         if "inplace operation" in first or "in-place operation" in first:
@@ -297,7 +319,8 @@ def _explain(tr: Transition, closure: Callable[[], torch.Tensor]) -> None:
     try:
         tr.zero_causes = causes.zero_init_causes(closure, tensors, zero, movers)
         unexplained = [i for i in trainable if tr.state[i] == "none" or (i in zero and i not in tr.zero_causes)]
-        tr.stochastic = causes.drawn_zeros(closure, tensors, [i for i in unexplained if tr.depends[i] is not True])
+        tr.stochastic = causes.drawn_zeros(closure, tensors, [i for i in unexplained if tr.depends[i] is not True],
+                                           same_as=tr.loss)
         if unexplained:
             tr.cuts = causes.cuts_by_tensor(causes.record_cuts(closure), tensors, unexplained)
         # Tried on zeros with a recorded cut too: a cut that removes a path leaves no gradient
@@ -310,13 +333,28 @@ def _explain(tr: Transition, closure: Callable[[], torch.Tensor]) -> None:
         judged = tr.has & (tr.nonfinite == 0) & (tr.nonzero > 0) & (tr.p_norm > 0) & np.isfinite(tr.g_to_p)
         ordinary = {i for i in trainable if judged[i] and tr.state[i] == "finite"}
         tiny = [i for i in trainable if tr.state[i] == "tiny"]
-        tr.unattenuated = causes.ordinary_behind(closure, tensors, tiny, ordinary)
+        reruns: list = []
+        tr.unattenuated = causes.ordinary_behind(_seen_by(closure, reruns), tensors, tiny, ordinary)
         open_tiny = [i for i in tiny if i not in tr.unattenuated and judged[i]]
         if open_tiny:
             reference = _spread(sorted(i for i in ordinary if tr.g_to_p[i] >= tr.median), REFERENCE_SAMPLE)
-            tr.unaligned = causes.unaligned_gradients(closure, tensors, open_tiny + reference)
+            # The backward's own graph where the rerun just made (under the test's seed) gave
+            # the same loss, bit for bit: the test's forward and first backward are then those.
+            same = tr.read_graph is not None and len(reruns) == 1 and causes.same_bits(reruns[0], tr.loss)
+            tr.unaligned = causes.unaligned_gradients(closure, tensors, open_tiny + reference,
+                                                      graph=tr.read_graph if same else None)
     except Exception as exc:  # noqa: BLE001 - the user's closure may do anything
         tr.notes.append(f"causes of missing/zero gradients not examined: the closure failed on a rerun ({exc})")
+
+
+def _seen_by(closure: Callable[[], torch.Tensor], seen: list) -> Callable[[], torch.Tensor]:
+    """The closure, its losses (detached) appended to ``seen``."""
+    def run() -> torch.Tensor:
+        out = closure()
+        if isinstance(out, torch.Tensor):
+            seen.append(out.detach())
+        return out
+    return run
 
 
 # The reference of the random-direction test (``findings._unattenuated_reach``) is a median;
