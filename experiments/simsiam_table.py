@@ -31,10 +31,12 @@ def row(run: Path) -> dict:
     failed = [c["metric"] for c in summary["checks"] if c["role"] == "evidence" and not c["ok"]]
     return {
         "experiment": summary["experiment"], "seed": summary["seed"],
-        "linear acc at init": f"{evals['linear_acc'].iloc[0]:.3f}", "linear acc final": f"{evals['linear_acc'].iloc[-1]:.3f}",
+        "linear acc at init": f"{evals['linear_acc'].iloc[0]:.3f}",
+        "linear acc final": f"{evals['linear_acc'].iloc[-1]:.3f}",
         "k-NN final": f"{evals['knn_acc'].iloc[-1]:.3f}", "z_std final": f"{last['z_std']:.4f}",
         "p_std final": f"{last['p_std']:.4f}",
-        "p_std lowest (step)": f"{lowest['p_std']:.3f} ({int(lowest['step'])})", "background std": data.get("background_std", "?"), "final loss": f"{last['loss']:.3f}",
+        "p_std lowest (step)": f"{lowest['p_std']:.3f} ({int(lowest['step'])})",
+        "background std": data.get("background_std", "?"), "final loss": f"{last['loss']:.3f}",
         "verdict": "REPRODUCED" if summary["reproduced"] else "NOT REPRODUCED",
         "evidence checks failed": ", ".join(failed) or "-", "wall s": f"{summary['wall_s']:.0f}",
     }
@@ -47,7 +49,8 @@ def main(sweeps: list[str]) -> None:
         sys.exit(f"simsiam_table: no run folder (summary.json) under {', '.join(sweeps)}")
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |")
-    print("| " + " | ".join(":--" if c in ("experiment", "verdict", "evidence checks failed") else "--:" for c in cols) + " |")
+    left = ("experiment", "verdict", "evidence checks failed")
+    print("| " + " | ".join(":--" if c in left else "--:" for c in cols) + " |")
     for r in rows:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
     for name in sorted({r["experiment"] for r in rows}):
