@@ -11,37 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_finding_severity import PreNormBranch  # a pre-norm block: its gain tiny by role, or attenuated
 from torch import nn
 
 from gradrepro.diagnose import causes, diagnose
 
 G = torch.Generator().manual_seed(0)
 X, Y = torch.randn(16, 6, generator=G), torch.randint(0, 3, (16,), generator=G)
-
-
-class PreNormBranch(nn.Module):
-    """h + fc2(gelu(fc1(norm(h)))) at a transformer's init (weights of std 0.01, the gain at 1):
-    the gain's grad/param ratio falls past ``tiny_factor`` below the median although the
-    gradient reaching it is not attenuated. ``branch_scale`` 1e-5 attenuates it; ``dropout`` adds
-    a dropout (the closure then draws random numbers)."""
-
-    def __init__(self, branch_scale=1.0, dropout=0.0, width=32):
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp, self.norm, self.head = nn.Linear(6, width), nn.LayerNorm(width), nn.Linear(width, 3)
-        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
-        self.drop = nn.Dropout(dropout)
-        self.branch_scale = branch_scale
-        g = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for lin in (self.inp, self.fc1, self.fc2, self.head):
-                lin.weight.normal_(0, 0.01, generator=g)
-                lin.bias.normal_(0, 1e-3, generator=g)
-            self.norm.bias.normal_(0, 1e-3, generator=g)
-
-    def forward(self, x):
-        h = self.inp(x)
-        return self.head(h + self.branch_scale * self.fc2(self.drop(F.gelu(self.fc1(self.norm(h))))))
 
 
 def _decisions(model):

@@ -288,13 +288,15 @@ class PreNormBranch(nn.Module):
     are large beside the rest, so its grad/param ratio falls past ``tiny_factor`` below the
     median (the std 0.01 and width 32 were chosen to put it there) although the gradient that
     reaches it is not attenuated. ``branch_scale`` 1e-5 scales the branch down: then the gradient
-    reaching the block is attenuated, a bug."""
+    reaching the block is attenuated, a bug. ``dropout`` adds a dropout in the branch (a closure
+    that then draws random numbers)."""
 
-    def __init__(self, branch_scale=1.0, width=32):
+    def __init__(self, branch_scale=1.0, width=32, dropout=0.0):
         super().__init__()
         torch.manual_seed(0)
         self.inp, self.norm, self.head = nn.Linear(6, width), nn.LayerNorm(width), nn.Linear(width, 3)
         self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
+        self.drop = nn.Dropout(dropout)
         self.branch_scale = branch_scale
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
@@ -305,7 +307,7 @@ class PreNormBranch(nn.Module):
 
     def forward(self, x):
         h = self.inp(x)
-        return self.head(h + self.branch_scale * self.fc2(F.gelu(self.fc1(self.norm(h)))))
+        return self.head(h + self.branch_scale * self.fc2(self.drop(F.gelu(self.fc1(self.norm(h))))))
 
 
 def test_a_gain_at_one_reached_by_an_unattenuated_gradient_is_information_and_a_scaled_down_branch_a_warning():

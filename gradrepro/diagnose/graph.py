@@ -109,17 +109,24 @@ def operations_entered(root: object, leaf_ids: set[int]) -> dict[int, list]:
     """id(leaf) -> the operations it enters in the graph behind ``root``: the first nodes above
     its ``AccumulateGrad`` that take more than one input (through a view or ``.t()`` of the leaf
     alone), one per use of the leaf."""
+    parents, accumulate = _parents_and_leaves(nodes_of(root), leaf_ids)
+    return {leaf: list(dict.fromkeys(op for op, _ in _operations_above(start, parents)))
+            for leaf, start in accumulate.items()}
+
+
+def _parents_and_leaves(nodes: list, leaf_ids: set[int]) -> tuple[dict, dict[int, object]]:
+    """Each node's parents (the nodes whose inputs it feeds), and id(leaf) -> its
+    ``AccumulateGrad`` for the leaves in ``leaf_ids``."""
     parents: dict = {}
     accumulate: dict[int, object] = {}
-    for node in nodes_of(root):
+    for node in nodes:
         leaf = getattr(node, "variable", None)
         if isinstance(leaf, torch.Tensor) and id(leaf) in leaf_ids:
             accumulate[id(leaf)] = node
         for child, _ in getattr(node, "next_functions", ()):
             if child is not None:
                 parents.setdefault(child, []).append(node)
-    return {leaf: list(dict.fromkeys(op for op, _ in _operations_above(start, parents)))
-            for leaf, start in accumulate.items()}
+    return parents, accumulate
 
 
 def _operations_above(start: object, parents: dict, chain: set | None = None) -> list:
@@ -148,16 +155,8 @@ def operations_and_chains(root: object, leaf_ids: set[int]) -> tuple[dict[int, l
     from the operations to the leaves: no climb stopped at its limit and the walk of the graph
     did not stop at ``_WALK_LIMIT``). Every node above a leaf's chain is then one of its
     operations, so the leaf's gradient is a function of the gradients reaching them alone."""
-    parents: dict = {}
-    accumulate: dict[int, object] = {}
     nodes = nodes_of(root)
-    for node in nodes:
-        leaf = getattr(node, "variable", None)
-        if isinstance(leaf, torch.Tensor) and id(leaf) in leaf_ids:
-            accumulate[id(leaf)] = node
-        for child, _ in getattr(node, "next_functions", ()):
-            if child is not None:
-                parents.setdefault(child, []).append(node)
+    parents, accumulate = _parents_and_leaves(nodes, leaf_ids)
     chain: set = set()
     entered = {leaf: list(dict.fromkeys(op for op, _ in _operations_above(start, parents, chain)))
                for leaf, start in accumulate.items()}
