@@ -164,8 +164,12 @@ def zero_init_causes(closure: Callable[[], Any], tensors: list[torch.Tensor], ze
     return {i: cause for i in revived}
 
 
-def _loss(closure: Callable[[], Any], seed: int) -> torch.Tensor:
+def _loss(closure: Callable[[], Any], seed: int, states: list | None = None) -> torch.Tensor:
+    """The closure's output under ``seed``; ``states``, where given, receives the random
+    generators' states as the closure starts (``random_states``)."""
     torch.manual_seed(seed)
+    if states is not None:
+        states.extend(random_states())
     return closure()
 
 
@@ -211,8 +215,7 @@ def _first_order(closure: Callable[[], Any], tensors: list[torch.Tensor], revive
 
 
 def _loss_value(closure: Callable[[], Any], seed: int) -> float:
-    torch.manual_seed(seed)
-    out = closure()
+    out = _loss(closure, seed)
     return float(out.detach().double()) if isinstance(out, torch.Tensor) and out.numel() == 1 else math.nan
 
 
@@ -272,9 +275,8 @@ def drawn_zeros(closure: Callable[[], Any], tensors: list[torch.Tensor], which: 
         if not left:
             break
         with torch.random.fork_rng(), torch.enable_grad():
-            torch.manual_seed(seed)
-            states = random_states()
-            loss = closure()
+            states: list = []
+            loss = _loss(closure, seed, states)
             if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
                 return found
             if same_as is not None and same_bits(loss, same_as) and same_states(states, random_states()):
