@@ -62,6 +62,7 @@ REFUSED = [
     (["model=convnet", "objective=missing_grad"], ["objective=missing_grad needs model=missing_grad"]),
     (["train.freeze=[[encoder]]"], ["train.freeze[0]", "list of str"]),
     (["model.widths=[[8]]"], ["model.widths[0]", "list of int"]),
+    (["experiment=simsiam_baseline", "model.pool=sum"], ["model.pool='sum'", "max, avg"]),
     (["hydra.run.dir="], ["hydra.run.dir is empty"]),
     (["logger=tensorboard", "logger.folder=/tmp/elsewhere"], ["logger.folder", "inside the run folder"]),
     (["logger=tensorboard", "logger.folder=../up"], ["logger.folder"]),
