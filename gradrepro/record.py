@@ -21,6 +21,10 @@ not control:
   backward of an accumulated step and after a ``GradScaler``'s unscale; the probe reads them;
 - the optimizer's step post-hook: the update is taken; the probe's columns are made.
 
+Several optimizers over one model (Muon for the matrices and AdamW for the rest): give them as
+a list, ``record(model, [muon, adamw], ...)``; a step begins at the first one's step and ends
+once each has stepped (``watch.optimizers``).
+
 A step the ``GradScaler`` skips (non-finite gradients) calls no ``optimizer.step()``: no hook
 fires and it is not a step of the record. On a step that is not logged the hooks only count.
 Without optimizer hooks (``hooks=False``, or an optimizer that has none) call ``rec.begin()``,
@@ -65,6 +69,7 @@ from gradrepro.records.provenance import versions
 from gradrepro.records.run import RUN_SCALARS
 from gradrepro.records.writer import Records
 from gradrepro.watch.invariants import recorder_error_hit
+from gradrepro.watch.optimizers import as_optimizer
 from gradrepro.watch.over_steps import StepStates
 from gradrepro.watch.watcher import KINDS, FindingError, LiveFinding, TrainingFinding, Watch, check_options
 
@@ -155,6 +160,7 @@ class Recorder:
                                                                o.act_sample, o.hooks)
         bf16, every_rank, timeout, eager_logged_steps = o.bf16, o.every_rank, o.timeout, o.eager_logged_steps
         live, on_finding, silence, steps, before_on = o.live, o.on_finding, o.silence, o.steps, o.before_on
+        optimizer = as_optimizer(optimizer)  # a list: several optimizers that step after one backward
         _check(model, optimizer)
         self.model, self.optimizer, self.scaler, self.every = model, optimizer, scaler, every
         self.run_dir = Path(run_dir)
@@ -535,9 +541,11 @@ class Recorder:
         return [Finding("no_findings", "(all parameters)", detail, severity=INFO)]
 
 
-def record(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], run_dir: str | Path,
+def record(model: nn.Module, optimizer: Any, run_dir: str | Path,
            every: Optional[int] = None, options: Optional[RecordOptions] = None, **changes: Any) -> Recorder:
     """Record ``model``'s gradient signals in your own loop into ``run_dir`` (module docstring).
+    ``optimizer``: the one that updates the model, a list of those that step in turn after each
+    backward (Muon and AdamW; ``watch.optimizers``), or None with ``hooks=False``.
 
     The options are ``RecordOptions``' fields, given as keywords (``every=16, on_finding="log"``)
     or as one ``RecordOptions`` (``options=``; keywords given beside it replace its fields).
@@ -551,7 +559,8 @@ def _check(model: Any, optimizer: Any) -> None:
     if not isinstance(model, nn.Module):
         raise UserError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     if optimizer is not None and not hasattr(optimizer, "param_groups"):
-        raise UserError(f"optimizer must be a torch.optim.Optimizer (or None), not {type(optimizer).__name__}")
+        raise UserError("optimizer must be a torch.optim.Optimizer, a list of them, or None, "
+                        f"not {type(optimizer).__name__}")
     if not any(True for _ in model.parameters()):
         raise UserError(f"{type(model).__name__} has no registered parameters: nothing to record")
 

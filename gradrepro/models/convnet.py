@@ -14,7 +14,6 @@ from typing import List
 import torch
 from torch import nn
 
-
 POOLS = ("max", "avg")
 
 

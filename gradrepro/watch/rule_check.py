@@ -18,6 +18,7 @@ import torch
 
 from gradrepro.diagnose.update_rule import predict, rule_name
 from gradrepro.watch.invariants import SAMPLES, Fingerprints, Hit, _flat
+from gradrepro.watch.optimizers import member_groups
 
 RTOL = 1e-3
 ULPS = 4.0
@@ -37,8 +38,10 @@ class UpdateRuleCheck:
     def __init__(self, names: Sequence[str], params: Sequence[torch.Tensor], prints: Fingerprints,
                  optimizer: Optional[torch.optim.Optimizer]) -> None:
         self.names, self.params, self.optimizer = list(names), list(params), optimizer
-        self.enabled = (optimizer is not None and prints.enabled and rule_name(optimizer) in ("sgd", "adam"))
-        self._expected: list[tuple] = []  # per group: (tensor indices, entries each, before, predicted)
+        # Several optimizers (watch.optimizers): each group is predicted by its own optimizer's rule.
+        self.enabled = (optimizer is not None and prints.enabled
+                        and any(rule_name(m) in ("sgd", "adam") for m, _ in member_groups(optimizer)))
+        self._expected: list[tuple] = []  # per group: (its optimizer, tensor indices, entries each, before, predicted)
         self._index = {id(p): i for i, p in enumerate(self.params)}
 
     def predict(self) -> None:
@@ -50,10 +53,12 @@ class UpdateRuleCheck:
         if not self.enabled:
             return
         with torch.no_grad():
-            for group in self.optimizer.param_groups:
+            for member, group in member_groups(self.optimizer):
+                if rule_name(member) not in ("sgd", "adam"):
+                    continue
                 batches: dict = {}
                 for p in group["params"]:
-                    picked = self._picked(p)
+                    picked = self._picked(p, member.state)
                     if picked is not None:
                         batches.setdefault(picked[3], []).append(picked)
                 for (_, scalars), members in ((key, m) for key, m in batches.items()):
@@ -64,12 +69,12 @@ class UpdateRuleCheck:
                     state = dict(scalars)
                     for key in keys:
                         state[key] = torch.cat([m[5][key] for m in members]).double()
-                    predicted = predict(self.optimizer, group, p_s, g_s, state)
+                    predicted = predict(member, group, p_s, g_s, state)
                     if predicted is not None:
                         sizes = [m[1].numel() for m in members]
-                        self._expected.append((index, sizes, p_s.clone(), predicted))
+                        self._expected.append((member, index, sizes, p_s.clone(), predicted))
 
-    def _picked(self, p: torch.Tensor):
+    def _picked(self, p: torch.Tensor, states: dict):
         """(index, sampled entries of p and of its gradient, a key of its state's scalars and
         tensor names, those names, the state's sampled tensors), or None."""
         i = self._index.get(id(p))
@@ -81,7 +86,7 @@ class UpdateRuleCheck:
         if p_s is None or g_s is None:
             return None
         tensors, scalars = {}, []
-        for key, value in self.optimizer.state.get(p, {}).items():
+        for key, value in states.get(p, {}).items():
             if torch.is_tensor(value) and value.shape == p.shape:
                 value = _pick(value, k)
                 if value is None:
@@ -103,7 +108,7 @@ class UpdateRuleCheck:
             return []
         bad = []
         with torch.no_grad():
-            for index, sizes, before, predicted in expected:
+            for member, index, sizes, before, predicted in expected:
                 now = torch.cat([_pick(self.params[i], n) for i, n in zip(index, sizes)]).double()
                 ulp = torch.tensor([torch.finfo(self.params[i].dtype if self.params[i].is_floating_point()
                                                 else torch.float32).eps for i, n in zip(index, sizes)
@@ -118,15 +123,15 @@ class UpdateRuleCheck:
                     part = over[start:start + n]
                     if part.any():
                         j = start + int(part.argmax())
-                        bad.append((i, float((now - before)[j]), float((predicted - before)[j])))
+                        bad.append((i, float((now - before)[j]), float((predicted - before)[j]), member))
                     start += n
         if not bad:
             return []
-        i, moved, wanted = bad[0]
+        i, moved, wanted, member = bad[0]
         shown = ", ".join(self.names[b[0]] for b in bad[:6]) + (" ..." if len(bad) > 6 else "")
-        rule = rule_name(self.optimizer)
+        rule = rule_name(member)
         return [("update_mismatch", self.names[i], (
-            f"{len(bad)} tensor(s) ({shown}) changed otherwise than the {type(self.optimizer).__name__} rule makes "
+            f"{len(bad)} tensor(s) ({shown}) changed otherwise than the {type(member).__name__} rule makes "
             f"of the gradient and state the step found (an entry moved by {moved:.4g}; the {rule} rule predicts "
             f"{wanted:.4g}): something else wrote the weights or the gradient during optimizer.step()"),
             {"tensors_mismatched": len(bad), "moved": moved, "predicted": wanted})]
