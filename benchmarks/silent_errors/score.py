@@ -1,13 +1,16 @@
 """The silent-error benchmark's score, by one command:
 
-    python benchmarks/silent_errors/score.py [--half design|scored|all] [--cases NAME ...]
-                                             [--healthy NAME ...] [--no-overhead] [--json out.json]
+    python benchmarks/silent_errors/score.py [--set benchmark|heldout] [--half design|scored|all]
+                                             [--cases NAME ...] [--healthy NAME ...] [--no-overhead]
+                                             [--json out.json]
 
 For each case (cases.py), buggy and fixed: detected or not, at which step, whether at the first
 logged step after the bug acts, whether the finding names the cause the report established,
 and any finding on the fixed form. Over the healthy models (healthy.py): the findings (each a
-false positive). Then the cost of live checking against the bare loop and against recording
-without live checks (CPU time of the training thread, interleaved rounds, medians).
+false positive). ``--set heldout`` scores the held-out set instead (cases_heldout.py,
+healthy_heldout.py: written blind, not split in halves) with the same columns. Then the cost
+of live checking against the bare loop and against recording without live checks (CPU time of
+the training thread, interleaved rounds, medians).
 """
 
 from __future__ import annotations
@@ -35,22 +38,36 @@ def first_logged_at_or_after(step: int, every: int = EVERY) -> int:
     return -(-step // every) * every
 
 
-def score_case(name: str) -> dict:
-    case = CASES[name]
+SETS = ("benchmark", "heldout")
+
+
+def registries(which: str) -> tuple[dict, dict, dict]:
+    """The cases, their causes' kinds and the healthy loops of the set ``which``."""
+    if which == "heldout":
+        from cases_heldout import CASES as cases
+        from cases_heldout import CAUSES as causes
+        from healthy_heldout import HEALTHY as healthy
+        return cases, causes, healthy
+    return CASES, CAUSES, HEALTHY
+
+
+def score_case(name: str, cases: dict | None = None, causes: dict | None = None, group: str | None = None) -> dict:
+    cases, causes = cases or CASES, causes or CAUSES
+    case = cases[name]
     buggy, fixed = run_case(case.run, True), run_case(case.run, False)
     first = min((f.step for f in buggy.findings), default=None)
     named = sorted({f.kind for f in buggy.findings if f.step == first})
     due = first_logged_at_or_after(buggy.bug_step) if buggy.bug_step >= 0 else None
-    return {"case": name, "half": half(name), "cause": case.cause, "url": case.url, "bug_step": buggy.bug_step,
+    return {"case": name, "half": group or half(name), "cause": case.cause, "url": case.url, "bug_step": buggy.bug_step,
             "detected_at": first, "in_time": first is not None and due is not None and first <= due,
-            "kinds": named, "cause_named": CAUSES[case.cause] in named,
+            "kinds": named, "cause_named": causes[case.cause] in named,
             "fixed_findings": sorted({f"{f.kind}@{f.step}" for f in fixed.findings}),
             "error": buggy.error or fixed.error}
 
 
-def score_healthy(name: str) -> dict:
-    out = run_case(HEALTHY[name], True)
-    return {"model": name, "half": half(name), "findings": [str(f) for f in out.findings],
+def score_healthy(name: str, healthy: dict | None = None, group: str | None = None) -> dict:
+    out = run_case((healthy or HEALTHY)[name], True)
+    return {"model": name, "half": group or half(name), "findings": [str(f) for f in out.findings],
             "kinds": sorted({f.kind for f in out.findings}), "error": out.error}
 
 
@@ -75,22 +92,35 @@ def overhead(steps: int = 48, rounds: int = 3) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--set", choices=SETS, default="benchmark",
+                    help="the benchmark (cases.py, healthy.py; default) or the held-out set (cases_heldout.py, "
+                         "healthy_heldout.py)")
     ap.add_argument("--half", choices=HALVES + ("all",), default="all",
                     help="the design half, the scored half (split.py), or all (default)")
-    ap.add_argument("--cases", nargs="*", default=None, help=f"from: {', '.join(CASES)}")
-    ap.add_argument("--healthy", nargs="*", default=None, help=f"from: {', '.join(HEALTHY)}")
+    ap.add_argument("--cases", nargs="*", default=None, help="case names of the chosen set (default: all)")
+    ap.add_argument("--healthy", nargs="*", default=None, help="healthy loops of the chosen set (default: all)")
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    for chosen, known, what in ((args.cases, CASES, "case"), (args.healthy, HEALTHY, "healthy model")):
+    if args.set == "heldout" and args.half != "all":
+        print(f"--half {args.half} applies to the benchmark set only; the held-out set is scored whole "
+              "(leave --half out, or --half all)", file=sys.stderr)
+        return 2
+    all_cases, all_causes, all_healthy = registries(args.set)
+    group = "heldout" if args.set == "heldout" else None
+    for chosen, known, what in ((args.cases, all_cases, "case"), (args.healthy, all_healthy, "healthy model")):
         bad = [n for n in chosen or [] if n not in known]
         if bad:
             print(f"unknown {what} {bad[0]!r}; choose from: {', '.join(known)}", file=sys.stderr)
             return 2
     torch.set_num_threads(1)
-    cases = [score_case(n) for n in of_half(CASES if args.cases is None else args.cases, args.half)]
-    models = [score_healthy(n) for n in of_half(HEALTHY if args.healthy is None else args.healthy, args.half)]
+    cases = [score_case(n, all_cases, all_causes, group)
+             for n in of_half(all_cases if args.cases is None else args.cases, None if group else args.half)]
+    models = [score_healthy(n, all_healthy, group)
+              for n in of_half(all_healthy if args.healthy is None else args.healthy, None if group else args.half)]
     result = {"every": EVERY, "half": args.half, "cases": cases, "healthy": models}
+    if group:
+        result["set"] = args.set
     for c in cases:
         print(f"{c['case']:42s} {c['cause']:20s} bug@{c['bug_step']:<3} found@{c['detected_at']!s:5s} "
               f"in_time={c['in_time']!s:5s} cause_named={c['cause_named']!s:5s} {','.join(c['kinds'])}"
