@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradrepro.diagnose.registration import scan_attributes
+
 Hit = tuple[str, str, str, dict]  # kind, name, detail, evidence
 
 # Modules whose forward differs between train and eval mode (torch.nn.Module.train's docs:
@@ -94,9 +96,42 @@ def drift_hits(watched: list[tuple[str, nn.Module]], before: list[torch.Tensor])
     return hits
 
 
-def membership_hits(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> list[Hit]:
+def registration_hits(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> tuple[list[Hit], set]:
+    """Trainable tensors the model holds in plain attributes or containers without registering
+    them (layers in a Python list, a requires-grad tensor not wrapped in ``nn.Parameter``;
+    ``diagnose.registration.scan_attributes``): ``not_in_optimizer`` where no param group holds
+    them (an optimizer built from ``model.parameters()`` never got them: they never train),
+    ``unregistered`` where one does (they train, but ``named_parameters()``, ``state_dict()``
+    and ``.to()`` miss them). With the ids of those tensors."""
+    known = {id(p) for p in model.parameters()}
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer is not None else set()
+    hits, ids = [], set()
+    for path, thing in scan_attributes(model, known)[0]:
+        module = isinstance(thing, nn.Module)
+        tensors = [p for p in thing.parameters() if id(p) not in known] if module else [thing]
+        tensors = [t for t in tensors if t.requires_grad]
+        if not tensors:
+            continue
+        ids.update(id(t) for t in tensors)
+        what = (f"a {type(thing).__name__} with {len(tensors)} trainable tensor(s)" if module
+                else f"a requires-grad tensor {tuple(thing.shape)}")
+        where = f"{what} held in a plain attribute or container, not registered (nn.ModuleList, nn.Parameter)"
+        numbers = {"tensors": len(tensors), "numel": sum(t.numel() for t in tensors)}
+        if optimizer is not None and not any(id(t) in held for t in tensors):
+            hits.append(("not_in_optimizer", path, f"{where}: model.parameters() misses it, so the optimizer "
+                         "built from it does not hold it and it never trains; hold layers in nn.ModuleList or "
+                         "nn.ModuleDict and trainable tensors in nn.Parameter", numbers))
+        else:
+            hits.append(("unregistered", path, f"{where}: it trains, but named_parameters(), state_dict() and "
+                         ".to() miss it, and it is not recorded", numbers))
+    return hits, ids
+
+
+def membership_hits(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], unregistered: set = frozenset()
+                    ) -> list[Hit]:
     """Trainable tensors no param group holds, and tensors the optimizer holds that the model
-    no longer owns, compared by identity."""
+    no longer owns, compared by identity (``unregistered``: ids of tensors the model holds
+    without registering them, reported by ``registration_hits``, not as stale)."""
     if optimizer is None:
         return []
     names = {id(p): n for n, p in model.named_parameters()}
@@ -107,7 +142,7 @@ def membership_hits(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     for n in outside:
         hits.append(("not_in_optimizer", n, "trainable and registered, but no param group holds it (compared by "
                      "identity): it gets a gradient and never moves", {"param_groups": len(optimizer.param_groups)}))
-    stale = [(g, p) for g, p in held if id(p) not in names and p.requires_grad]
+    stale = [(g, p) for g, p in held if id(p) not in names and id(p) not in unregistered and p.requires_grad]
     if stale:
         shapes = ", ".join(str(tuple(p.shape)) for _, p in stale[:4]) + (" ..." if len(stale) > 4 else "")
         hits.append(("stale_optimizer_param", f"<optimizer group {stale[0][0]}>", (

@@ -40,14 +40,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradrepro.diagnose.report import WARNING
+from gradrepro.diagnose.report import INFO, WARNING
 from gradrepro.probe.shards import DTensor, local
 
 Hit = tuple[str, str, str, dict]  # kind, name, detail, evidence (as checks.Hit)
 
 KINDS: dict[str, str] = {"changed_between_steps": WARNING, "frozen_moved": WARNING,
-                         "grad_reset_in_step": WARNING, "recorder_error": WARNING}
+                         "grad_reset_in_step": WARNING, "recorder_error": WARNING, "clamped_between_steps": INFO}
 NEXT_CHECK: dict[str, str] = {
+    "clamped_between_steps": "nothing, if the constraint is on purpose (WGAN's weight clipping, a non-negativity "
+    "constraint); silence='clamped_between_steps' hides it",
     "changed_between_steps": "find what writes the weights after optimizer.step(): an EMA/averaged copy loaded for "
     "evaluation and not restored (keep a backup and copy it back), load_state_dict inside the loop, an export or "
     "evaluation helper that folds or normalises weights in place (run it on copy.deepcopy(model)), a shallow "
@@ -122,7 +124,29 @@ class Fingerprints:
         with torch.no_grad():
             s = torch.cat(self.views) if len({v.dtype for v in self.views}) == 1 else torch.cat(
                 [v.double() for v in self.views])
+            self.dtype = s.dtype
             return s.view(_INT_OF_SIZE[s.element_size()])  # bits: NaN equals NaN, -0 differs from 0
+
+    def projected(self, before: torch.Tensor, after: torch.Tensor, changed: Sequence[int]) -> set:
+        """Of the tensors ``changed`` between two samples, those whose change is an in-place
+        projection onto a box (``clamp_(lo, hi)``, ``clamp_(min=0)``): every sampled entry that
+        changed moved from outside onto the tensor's present minimum or maximum, exactly. An
+        edit of another kind (a copy loaded, a rescaling) leaves entries inside the range."""
+        b, a = before.view(self.dtype), after.view(self.dtype)
+        out = set()
+        with torch.no_grad():
+            for i in changed:
+                flat = _flat(self.params[i])
+                if flat is None or flat.is_complex() or not flat.numel():
+                    continue
+                lo, hi = self.bounds[i], self.bounds[i + 1]
+                was, now = b[lo:hi], a[lo:hi]
+                moved = was != now
+                low, high = flat.min().to(now.dtype), flat.max().to(now.dtype)
+                onto = ((now == high) & (was > now)) | ((now == low) & (was < now))
+                if bool(onto[moved].all()):
+                    out.add(i)
+        return out
 
     @staticmethod
     def differ(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -154,7 +178,7 @@ class StepInvariants:
         self.eager = bool(params) and params[0].device.type == "cpu"
         self._after: Optional[torch.Tensor] = None  # the fingerprint after the last step
         self._before: Optional[torch.Tensor] = None  # at this step's optimizer.step(), before it
-        self._pending: list[tuple[int, str, torch.Tensor]] = []  # (step, where, mask)
+        self._pending: list[tuple[int, str, torch.Tensor, set]] = []  # (step, where, mask, clamped tensors)
         self._frozen: list[int] = []
         self._signature: Optional[tuple] = None
         self.refresh()
@@ -189,7 +213,10 @@ class StepInvariants:
             now = self.prints.sample()
             mask = self._differ(self._after, now)
             if mask is not None:
-                self._pending.append((step, "between", mask))
+                # On the host the change is read at once, so a clamp can be told from an edit while the
+                # tensors are as it left them (on an accelerator the mask is read at a later logged step).
+                clamped = self.prints.projected(self._after, now, self.prints.changes(mask)) if self.eager else set()
+                self._pending.append((step, "between", mask, clamped))
             self._after = None
 
     def before_step(self) -> None:
@@ -201,7 +228,7 @@ class StepInvariants:
         if self._before is not None:
             mask = self._differ(self._before, self._after)
             if mask is not None and mask.shape == self._frozen_mask.shape:
-                self._pending.append((step, "during", mask & self._frozen_mask))
+                self._pending.append((step, "during", mask & self._frozen_mask, set()))
         self._before = None
 
     def hits(self, logged: bool) -> list[tuple[int, Hit]]:
@@ -212,11 +239,21 @@ class StepInvariants:
         pending, self._pending = self._pending, []
         found: list[tuple[int, Hit]] = []
         frozen = set(self._frozen)
-        for step, where, mask in pending:
-            changed = self.prints.changes(mask)
+        for step, where, mask, clamped in pending:
+            changed = [i for i in self.prints.changes(mask) if i not in clamped]
             if changed:
                 found += [(step, h) for h in self._describe(step, where, changed, frozen)]
+            if clamped:
+                found.append((step, self._clamped(sorted(clamped))))
         return found
+
+    def _clamped(self, clamped: list[int]) -> Hit:
+        names = self.prints.names
+        shown = ", ".join(names[i] for i in clamped[:6]) + (" ..." if len(clamped) > 6 else "")
+        return ("clamped_between_steps", names[clamped[0]], (
+            f"{len(clamped)} tensor(s) clamped in place between the last optimizer.step() and this step's forward "
+            f"pass ({shown}): every sampled entry that changed moved onto the tensor's bound, a projection onto a "
+            "box (WGAN's weight clipping, a non-negativity constraint)"), {"tensors_clamped": len(clamped)})
 
     def _describe(self, step: int, where: str, changed: list[int], frozen: set) -> list[Hit]:
         names = self.prints.names

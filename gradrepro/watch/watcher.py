@@ -55,7 +55,7 @@ ON_FINDING = ("warn", "raise", "log")
 KINDS: dict[str, str] = {
     "not_in_optimizer": ERROR, "stale_optimizer_param": ERROR, "lr_zero": INFO, "not_updated": ERROR,
     "no_gradient": INFO, "grad_modified": ERROR, "nonfinite_gradient": ERROR, "stale_gradient": ERROR,
-    "eval_mode": WARNING, "frozen_norm_drift": WARNING, "loss_scale_backoff": ERROR,
+    "eval_mode": WARNING, "frozen_norm_drift": WARNING, "loss_scale_backoff": ERROR, "unregistered": WARNING,
 }
 KINDS.update(invariants.KINDS)  # the step's invariants (watch.invariants, watch.rule_check)
 KINDS["update_mismatch"] = WARNING
@@ -130,6 +130,7 @@ class Watch:
         self.trail = invariants.BackwardTrail(probe.names, probe.params, self.invariants.prints)
         self.rule = UpdateRuleCheck(probe.names, probe.params, self.invariants.prints, optimizer)
         self._hits: list[checks.Hit] = []  # found before the step, reported after it
+        self._unregistered: Optional[set] = None  # ids of tensors held unregistered (the first logged step's scan)
         self._watched: list[tuple[str, nn.Module]] = []
         self._means: list[torch.Tensor] = []
         self._handles: list = []
@@ -189,7 +190,10 @@ class Watch:
         """The gradients are complete; the probe has not read them yet."""
         self.trail.stop()
         self.rule.predict()
-        self._hits += checks.membership_hits(self.model, self.optimizer)
+        if self._unregistered is None:  # once, at the first logged step: after a forward pass made any lazy attribute
+            hits, self._unregistered = checks.registration_hits(self.model, self.optimizer)
+            self._hits += hits
+        self._hits += checks.membership_hits(self.model, self.optimizer, self._unregistered)
         self._hits += checks.mode_hits(self.model, self._sensitive)
         self._hits += checks.drift_hits(self._watched, self._means)
 

@@ -1,0 +1,123 @@
+"""Live checks of what the model holds and what edits its weights between steps:
+layers or requires-grad tensors held without registration (``watch.checks.registration_hits``),
+and an in-place clamp told from other edits (``watch.invariants.Fingerprints.projected``).
+Each finding holds on its bug and not on its healthy twin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradrepro
+
+
+class Stack(nn.Module):
+    """Hidden layers in a Python list (``registered=False``: the bug) or an nn.ModuleList."""
+
+    def __init__(self, registered: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layers = [nn.Linear(8, 8) for _ in range(2)]
+        self.hidden = nn.ModuleList(layers) if registered else layers
+        self.inp, self.out = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        for layer in self.hidden:
+            h = torch.relu(layer(h))
+        return self.out(h)
+
+
+def _data(n: int = 16):
+    x = torch.randn(n, 6)
+    return x, x[:, :3].argmax(1)
+
+
+def _train(tmp_path, model, opt, steps: int = 6, after=None, every: int = 2):
+    with gradrepro.record(model, opt, tmp_path / "run", every=every, activations=False, on_finding="log") as rec:
+        for _ in range(steps):
+            opt.zero_grad()
+            x, y = _data()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            if after is not None:
+                after()
+    return [(f.kind, f.name, f.severity) for f in rec.watch.found]
+
+
+@pytest.mark.parametrize("registered", [False, True])
+def test_layers_in_a_python_list_are_not_in_the_optimizer(tmp_path, registered):
+    model = Stack(registered)
+    with gradrepro.record(model, torch.optim.Adam(model.parameters(), lr=1e-3), tmp_path / "run", every=2,
+                          activations=False, on_finding="log") as rec:
+        opt = rec.optimizer
+        for _ in range(4):
+            opt.zero_grad()
+            x, y = _data()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    found = [f for f in rec.watch.found]
+    if registered:
+        assert found == []
+    else:  # one finding for both layers, at the first logged step
+        assert [(f.kind, f.name, f.severity, f.step) for f in found] == [("not_in_optimizer", "hidden[0]", "error", 0)]
+        assert "hidden[1]" in str(found[0]) and "nn.ModuleList" in str(found[0])
+
+
+def test_an_unregistered_tensor_the_optimizer_holds_is_a_warning_not_a_stale_tensor(tmp_path):
+    """A temperature made with requires_grad=True but no nn.Parameter, given to the optimizer by
+    hand: it trains, but state_dict() and .to() miss it."""
+    model = Stack(True)
+    model.temperature = torch.ones(1, requires_grad=True)
+    opt = torch.optim.Adam(list(model.parameters()) + [model.temperature], lr=1e-3)
+    found = _train(tmp_path, model, opt)
+    assert ("unregistered", "temperature", "warning") in found
+    assert not any(kind == "stale_optimizer_param" for kind, _, _ in found)
+
+
+def _clamp(model, c: float = 0.05):
+    def after():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-c, c)
+    return after
+
+
+def _shrink(model):
+    def after():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.9)
+    return after
+
+
+def _floor(model):
+    def after():  # a non-negativity constraint
+        with torch.no_grad():
+            model.out.weight.clamp_(min=0)
+    return after
+
+
+@pytest.mark.parametrize("edit,kind,severity", [
+    (_clamp, "clamped_between_steps", "info"),  # WGAN's weight clipping (Arjovsky et al. 2017, Alg. 1)
+    (_floor, "clamped_between_steps", "info"),
+    (_shrink, "changed_between_steps", "warning"),  # an edit that is not a projection onto a box
+])
+def test_a_clamp_between_steps_is_told_from_other_edits(tmp_path, edit, kind, severity):
+    model = Stack(True)
+    found = _train(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.05), after=edit(model))
+    kinds = {(k, s) for k, _, s in found}
+    assert (kind, severity) in kinds
+    other = "changed_between_steps" if kind == "clamped_between_steps" else "clamped_between_steps"
+    assert not any(k == other for k, _ in kinds)
+
+
+def test_an_averaged_copy_loaded_between_steps_is_not_a_clamp(tmp_path):
+    model = Stack(True)
+    average = {k: v.clone() for k, v in model.state_dict().items()}
+    found = _train(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.05),
+                   after=lambda: model.load_state_dict(average))
+    assert any(k == "changed_between_steps" for k, _, _ in found)
+    assert not any(k == "clamped_between_steps" for k, _, _ in found)
