@@ -200,6 +200,7 @@ class Recorder:
             self._last_row: Optional[dict[str, Any]] = None  # the last unlogged step's scalars (read at close)
             self._start, self._versions = time.perf_counter(), versions()
             self._handles: list = []
+            self._stepping = False  # between the optimizer's step pre-hook and its post-hook
             if hooks:
                 if optimizer is None or not hasattr(optimizer, "register_step_pre_hook"):
                     raise UserError(f"{type(optimizer).__name__} has no step hooks (torch.optim.Optimizer, "
@@ -292,6 +293,9 @@ class Recorder:
         self._begin()  # while a step is in progress: only the live loss-scale check
         if starts:  # where the forward pass that began the step was called (see ``log``)
             self._begun_at = _caller_line()
+        elif self.watch is not None and self.probe is not None and not self._stepping:
+            # a pass inside the optimizer's step (a closure's: LBFGS's line search) is the optimizer's
+            self.watch.each_forward_again(self.step, self.probe.logs(self.step), self.every)
         if starts and self._current is not None and self._bf16 is None and autocast_bf16(self.probe.params[0]):
             self.probe.bf16 = True
         if starts and self._current is not None and self._eager:
@@ -341,6 +345,7 @@ class Recorder:
         the gradients inside the step: they are read after the closure's first evaluation, at the
         parameters the step starts from, instead of now, when they do not exist yet."""
         # torch passes the optimizer itself as args[0], then step's own arguments
+        self._stepping = True
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if not callable(closure):
             self.before_step()
@@ -380,6 +385,7 @@ class Recorder:
         self._guard(self._after_step, "after_step")
 
     def _after_step(self) -> None:
+        self._stepping = False
         self._begin()
         self._close_row()
         current, self._current = self._current, None
@@ -470,6 +476,7 @@ class Recorder:
         self._after_forward(self.model, (), None)  # a forward that raised leaves nothing set
         if self.watch is not None:
             self.watch.disarm()
+            self.watch.settle()
         if self._current is not None:
             self._current.__exit__(RuntimeError, None, None)  # disarms, records nothing
             self._current = None

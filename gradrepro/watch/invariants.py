@@ -46,8 +46,11 @@ from gradrepro.probe.shards import DTensor, local
 Hit = tuple[str, str, str, dict]  # kind, name, detail, evidence (as checks.Hit)
 
 KINDS: dict[str, str] = {"changed_between_steps": WARNING, "frozen_moved": WARNING,
-                         "grad_reset_in_step": WARNING, "recorder_error": WARNING, "clamped_between_steps": INFO}
+                         "grad_reset_in_step": WARNING, "recorder_error": WARNING, "clamped_between_steps": INFO,
+                         "changed_without_step": WARNING}
 NEXT_CHECK: dict[str, str] = {
+    "changed_without_step": "give record() the optimizer that steps, built once before the loop (an optimizer made "
+    "anew every batch also loses its state: Adam's moments, momentum); a list if several step",
     "clamped_between_steps": "nothing, if the constraint is on purpose (WGAN's weight clipping, a non-negativity "
     "constraint); silence='clamped_between_steps' hides it",
     "changed_between_steps": "find what writes the weights after optimizer.step(): an EMA/averaged copy loaded for "
@@ -179,6 +182,10 @@ class StepInvariants:
         self._after: Optional[torch.Tensor] = None  # the fingerprint after the last step
         self._before: Optional[torch.Tensor] = None  # at this step's optimizer.step(), before it
         self._pending: list[tuple[int, str, torch.Tensor, set]] = []  # (step, where, mask, clamped tensors)
+        self._extra: list[tuple[int, Hit]] = []  # found whole (changed_without_step)
+        self._last_forward: Optional[torch.Tensor] = None  # the fingerprint at the step's last forward pass
+        self._passes, self._changed = 0, None  # forward passes in this step; of them, after a change
+        self._reported_unstepped = False
         self._frozen: list[int] = []
         self._signature: Optional[tuple] = None
         self.refresh()
@@ -208,9 +215,39 @@ class StepInvariants:
             return None
         return Fingerprints.differ(a, b)
 
+    def forward_again(self, step: int, limit: int) -> None:
+        """A training forward pass inside the step in progress: the next micro-batch of an
+        accumulated step (the weights have not changed), SAM's perturbed pass (they changed once,
+        and are restored before its step; Foret et al. 2021), or, where the optimizer given to the
+        recorder never steps, every pass. Weights that changed before each of ``limit`` passes in
+        a row with no step between are updated by something else (``changed_without_step``):
+        ``limit`` is the logging period (at least 2, for SAM), since had the recorded optimizer
+        made those changes, one of its steps would have been logged. On an accelerator the count
+        stays on the device and is read once every ``limit`` passes."""
+        if self._reported_unstepped or not self.prints.enabled:
+            return
+        now = self.prints.sample()
+        last, self._last_forward = self._last_forward, now
+        self._passes += 1
+        mask = self._differ(last, now)
+        if mask is not None:
+            changed = mask.any()
+            self._changed = changed.to(torch.int64) + self._changed if self._changed is not None else \
+                changed.to(torch.int64)
+        if self._passes % limit or self._changed is None:
+            return
+        if int(self._changed) >= limit:
+            self._reported_unstepped = True
+            self._extra.append((step, ("changed_without_step", "<model>", (
+                f"the weights changed before each of {int(self._changed)} training forward passes in a row with no "
+                "step of the optimizer given to record() between them: another optimizer updates them (a new one "
+                "made every batch, or not the one given to record()) or a hand-written update; nothing of it is "
+                "recorded"), {"passes": self._passes, "passes_after_a_change": int(self._changed)})))
+
     def step_begins(self, step: int) -> None:
+        self._passes, self._changed = 1, None
+        now = self._last_forward = self.prints.sample()
         if self._after is not None:
-            now = self.prints.sample()
             mask = self._differ(self._after, now)
             if mask is not None:
                 # On the host the change is read at once, so a clamp can be told from an edit while the
@@ -234,10 +271,10 @@ class StepInvariants:
     def hits(self, logged: bool) -> list[tuple[int, Hit]]:
         """What the comparisons so far found, as (step, hit); on an accelerator only when
         ``logged`` (one host read then)."""
+        found, self._extra = self._extra, []
         if not self._pending or not (self.eager or logged):
-            return []
+            return found
         pending, self._pending = self._pending, []
-        found: list[tuple[int, Hit]] = []
         frozen = set(self._frozen)
         for step, where, mask, clamped in pending:
             changed = [i for i in self.prints.changes(mask) if i not in clamped]

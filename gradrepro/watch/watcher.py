@@ -131,6 +131,9 @@ class Watch:
         self.rule = UpdateRuleCheck(probe.names, probe.params, self.invariants.prints, optimizer)
         self._hits: list[checks.Hit] = []  # found before the step, reported after it
         self._unregistered: Optional[set] = None  # ids of tensors held unregistered (the first logged step's scan)
+        self._held: Optional[tuple] = None  # (step, hit): no gradient at the step, said at the next pass (_hold)
+        self._late: Optional[str] = None  # the first tensor a backward after that step reached
+        self._late_handles: list = []
         self._watched: list[tuple[str, nn.Module]] = []
         self._means: list[torch.Tensor] = []
         self._handles: list = []
@@ -164,7 +167,13 @@ class Watch:
     # -- on every step, logged or not: the fingerprints (watch.invariants) ------------------
     def each_begin(self, step: int, logged: bool) -> None:
         """A step begins (its first forward pass, or ``rec.begin()``)."""
+        self.settle()
         self.invariants.step_begins(step)
+        self._report_invariants(logged)
+
+    def each_forward_again(self, step: int, logged: bool, every: int) -> None:
+        """A training forward pass inside the step in progress (``invariants.forward_again``)."""
+        self.invariants.forward_again(step, max(every, 2))
         self._report_invariants(logged)
 
     def each_before_step(self) -> None:
@@ -213,7 +222,46 @@ class Watch:
         hits += [h for h in self.trail.found if (h[0], h[1]) not in kinds]  # one finding of a kind and name
         if step == 0:  # a linear warm-up from 0 takes its first step at lr 0 by design
             hits = [h for h in hits if h[0] != "lr_zero"]
+        whole = [h for h in hits if (h[0], h[1]) == ("no_gradient", "<model>")]
+        if whole and self._held is None:  # said at the next forward pass, once it is known what came after
+            hits.remove(whole[0])
+            self._hold(step, whole[0])
         self._report(step, self._persistence(hits, _every_lr_zero(self.optimizer)))
+
+    # -- no gradient at the step, a backward after it: the step runs before its backward -------
+    def _hold(self, step: int, hit: checks.Hit) -> None:
+        """No trainable tensor had a gradient at this step. Whether a backward pass reaches
+        the model after the step and before the next forward pass decides the cause: then the
+        step runs before the backward that should feed it, and the next ``zero_grad()`` resets
+        that backward's gradient before any step reads it (a ``grad_reset_in_step``); otherwise
+        the loss does not reach the model. One hook per trainable tensor until the next pass."""
+        self._held, self._late = (step, hit), None
+        for i, p in enumerate(self.probe.params):
+            if p.requires_grad:
+                self._late_handles.append(p.register_hook(self._late_gradient(i)))
+
+    def _late_gradient(self, i: int):
+        def hook(grad: torch.Tensor) -> None:
+            if self._late is None:
+                self._late = self.probe.names[i]
+        return hook
+
+    def settle(self) -> None:
+        """Say what was held (``_hold``): at the next forward pass, or at the end."""
+        if self._held is None:
+            return
+        for handle in self._late_handles:
+            handle.remove()
+        self._late_handles.clear()
+        (step, hit), self._held = self._held, None
+        if self._late is not None:
+            hit = ("grad_reset_in_step", "<model>", (
+                f"no trainable tensor had a gradient at optimizer.step() of step {step}, and a backward pass reached "
+                f"the model after that step ({self._late} first) and before the next forward pass: the step runs "
+                "before the backward that should feed it, and the next zero_grad() resets that backward's gradient "
+                "before any step reads it; call loss.backward() before optimizer.step()"),
+                {"tensors_without_grad": hit[3].get("tensors_without_grad", 0)})
+        self._report(step, self._persistence([hit]))
 
     def _persistence(self, hits: list[checks.Hit], every_lr_zero: bool = False) -> list[tuple[str, checks.Hit]]:
         """Each hit with its severity: a pattern of ``PERSISTING`` is information until it has
