@@ -1,6 +1,6 @@
 """The silent-error benchmark's score, by one command:
 
-    python benchmarks/silent_errors/score.py [--set benchmark|heldout] [--half design|scored|all]
+    python benchmarks/silent_errors/score.py [--set benchmark|heldout|heldout2] [--half design|scored|all]
                                              [--cases NAME ...] [--healthy NAME ...] [--no-overhead]
                                              [--json out.json]
 
@@ -8,7 +8,8 @@ For each case (cases.py), buggy and fixed: detected or not, at which step, wheth
 logged step after the bug acts, whether the finding names the cause the report established,
 and any finding on the fixed form. Over the healthy models (healthy.py): the findings (each a
 false positive). ``--set heldout`` scores the held-out set instead (cases_heldout.py,
-healthy_heldout.py: written blind, not split in halves) with the same columns. Then the cost
+healthy_heldout.py: written blind, not split in halves) with the same columns; ``--set heldout2``
+the second held-out set (cases_heldout2.py, healthy_heldout2.py, written blind the same way). Then the cost
 of live checking against the bare loop and against recording without live checks (CPU time of
 the training thread, interleaved rounds, medians).
 """
@@ -38,7 +39,7 @@ def first_logged_at_or_after(step: int, every: int = EVERY) -> int:
     return -(-step // every) * every
 
 
-SETS = ("benchmark", "heldout")
+SETS = ("benchmark", "heldout", "heldout2")
 
 
 def registries(which: str) -> tuple[dict, dict, dict]:
@@ -47,6 +48,11 @@ def registries(which: str) -> tuple[dict, dict, dict]:
         from cases_heldout import CASES as cases
         from cases_heldout import CAUSES as causes
         from healthy_heldout import HEALTHY as healthy
+        return cases, causes, healthy
+    if which == "heldout2":
+        from cases_heldout2 import CASES as cases
+        from cases_heldout2 import CAUSES as causes
+        from healthy_heldout2 import HEALTHY as healthy
         return cases, causes, healthy
     return CASES, CAUSES, HEALTHY
 
@@ -90,11 +96,18 @@ def overhead(steps: int = 48, rounds: int = 3) -> dict:
             "live_1_vs_bare": med["live_1"] / med["bare"], "live_1_vs_record_1": med["live_1"] / med["record_1"]}
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad input gets one line naming the problem and the valid choices (no usage block), exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", choices=SETS, default="benchmark",
-                    help="the benchmark (cases.py, healthy.py; default) or the held-out set (cases_heldout.py, "
-                         "healthy_heldout.py)")
+                    help="the benchmark (cases.py, healthy.py; default), the held-out set (cases_heldout.py, "
+                         "healthy_heldout.py) or the second held-out set (cases_heldout2.py, healthy_heldout2.py)")
     ap.add_argument("--half", choices=HALVES + ("all",), default="all",
                     help="the design half, the scored half (split.py), or all (default)")
     ap.add_argument("--cases", nargs="*", default=None, help="case names of the chosen set (default: all)")
@@ -102,12 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    if args.set == "heldout" and args.half != "all":
-        print(f"--half {args.half} applies to the benchmark set only; the held-out set is scored whole "
+    if args.set != "benchmark" and args.half != "all":
+        print(f"--half {args.half} applies to the benchmark set only; the held-out set {args.set} is scored whole "
               "(leave --half out, or --half all)", file=sys.stderr)
         return 2
     all_cases, all_causes, all_healthy = registries(args.set)
-    group = "heldout" if args.set == "heldout" else None
+    group = args.set if args.set != "benchmark" else None
     for chosen, known, what in ((args.cases, all_cases, "case"), (args.healthy, all_healthy, "healthy model")):
         bad = [n for n in chosen or [] if n not in known]
         if bad:
