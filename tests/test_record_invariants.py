@@ -188,6 +188,30 @@ def test_a_frozen_submodule_in_eval_mode_is_silent(tmp_path):
     assert found == set()
 
 
+class _Distilled(nn.Module):
+    """A student and a teacher with dropout (a submodule of the recorded model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.student = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+        self.teacher = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 3))
+
+    def forward(self, x):
+        return self.student(x) + self.teacher(x)
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_dropout_in_eval_mode_inside_a_frozen_teacher_is_silent(tmp_path, frozen):
+    """A frozen teacher kept in eval mode is the distillation pattern; the same teacher in eval
+    mode while it trains is eval_mode."""
+    model = _Distilled()
+    model.teacher.requires_grad_(not frozen)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    _, found, _ = _train(tmp_path, model, opt, each=lambda step: model.teacher.eval())
+    assert found == (set() if frozen else {("eval_mode", 0)})
+
+
 # -- the recorder's own failures -------------------------------------------------------------------
 def _broken(monkeypatch):
     from gradrepro.probe import probe

@@ -93,6 +93,13 @@ def _shrink(model):
     return after
 
 
+def _max_norm(model):
+    def after():  # a max-norm constraint on each output unit's weights (Srivastava et al. 2014, Sec. 5.1)
+        with torch.no_grad():
+            model.inp.weight.copy_(torch.renorm(model.inp.weight, 2, 0, 0.5))
+    return after
+
+
 def _floor(model):
     def after():  # a non-negativity constraint
         with torch.no_grad():
@@ -101,8 +108,9 @@ def _floor(model):
 
 
 @pytest.mark.parametrize("edit,kind,severity", [
-    (_clamp, "clamped_between_steps", "info"),  # WGAN's weight clipping (Arjovsky et al. 2017, Alg. 1)
-    (_floor, "clamped_between_steps", "info"),
+    (_clamp, "projected_between_steps", "info"),  # WGAN's weight clipping (Arjovsky et al. 2017, Alg. 1)
+    (_floor, "projected_between_steps", "info"),
+    (_max_norm, "projected_between_steps", "info"),
     (_shrink, "changed_between_steps", "warning"),  # an edit that is not a projection onto a box
 ])
 def test_a_clamp_between_steps_is_told_from_other_edits(tmp_path, edit, kind, severity):
@@ -110,7 +118,7 @@ def test_a_clamp_between_steps_is_told_from_other_edits(tmp_path, edit, kind, se
     found = _train(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.05), after=edit(model))
     kinds = {(k, s) for k, _, s in found}
     assert (kind, severity) in kinds
-    other = "changed_between_steps" if kind == "clamped_between_steps" else "clamped_between_steps"
+    other = "changed_between_steps" if kind == "projected_between_steps" else "projected_between_steps"
     assert not any(k == other for k, _ in kinds)
 
 
@@ -120,4 +128,4 @@ def test_an_averaged_copy_loaded_between_steps_is_not_a_clamp(tmp_path):
     found = _train(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.05),
                    after=lambda: model.load_state_dict(average))
     assert any(k == "changed_between_steps" for k, _, _ in found)
-    assert not any(k == "clamped_between_steps" for k, _, _ in found)
+    assert not any(k == "projected_between_steps" for k, _, _ in found)

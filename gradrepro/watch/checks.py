@@ -53,9 +53,22 @@ def frozen_norm(m: nn.Module) -> bool:
     return bool(params) and not any(p.requires_grad for p in params)
 
 
+def in_frozen_part(modules: dict, name: str) -> bool:
+    """Whether the module ``name`` sits in a frozen part of the model: its nearest enclosing
+    module with parameters (the model itself excluded) has none that trains (a distillation
+    teacher, a frozen backbone kept in eval mode on purpose)."""
+    parts = name.split(".")
+    for k in range(len(parts) - 1, 0, -1):
+        params = list(modules[".".join(parts[:k])].parameters())
+        if params:
+            return not any(p.requires_grad for p in params)
+    return False
+
+
 def mode_hits(model: nn.Module, sensitive: list[tuple[str, nn.Module]]) -> list[Hit]:
     """Modules in eval mode during a gradient step. A frozen normalisation layer in eval mode
-    is the documented way to freeze it, so it is not one."""
+    is the documented way to freeze it, so it is not one; nor is a module in a frozen part of
+    the model (``in_frozen_part``)."""
     if not sensitive:
         return []
     if not model.training:
@@ -64,6 +77,9 @@ def mode_hits(model: nn.Module, sensitive: list[tuple[str, nn.Module]]) -> list[
                  f"{len(sensitive)} {', '.join(kinds)} module(s) run their evaluation behaviour (dropout off, "
                  "normalisation by running statistics)", {"modules_in_eval": len(sensitive)})]
     off = [(n, m) for n, m in sensitive if not m.training and not (isinstance(m, _NORM) and frozen_norm(m))]
+    if off:
+        modules = dict(model.named_modules())
+        off = [(n, m) for n, m in off if not in_frozen_part(modules, n)]
     if not off:
         return []
     names = ", ".join(n for n, _ in off[:5]) + (" ..." if len(off) > 5 else "")

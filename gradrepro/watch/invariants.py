@@ -46,13 +46,13 @@ from gradrepro.probe.shards import DTensor, local
 Hit = tuple[str, str, str, dict]  # kind, name, detail, evidence (as checks.Hit)
 
 KINDS: dict[str, str] = {"changed_between_steps": WARNING, "frozen_moved": WARNING,
-                         "grad_reset_in_step": WARNING, "recorder_error": WARNING, "clamped_between_steps": INFO,
+                         "grad_reset_in_step": WARNING, "recorder_error": WARNING, "projected_between_steps": INFO,
                          "changed_without_step": WARNING}
 NEXT_CHECK: dict[str, str] = {
     "changed_without_step": "give record() the optimizer that steps, built once before the loop (an optimizer made "
     "anew every batch also loses its state: Adam's moments, momentum); a list if several step",
-    "clamped_between_steps": "nothing, if the constraint is on purpose (WGAN's weight clipping, a non-negativity "
-    "constraint); silence='clamped_between_steps' hides it",
+    "projected_between_steps": "nothing, if the constraint is on purpose (WGAN's weight clipping, a non-negativity "
+    "or max-norm constraint); silence='projected_between_steps' hides it",
     "changed_between_steps": "find what writes the weights after optimizer.step(): an EMA/averaged copy loaded for "
     "evaluation and not restored (keep a backup and copy it back), load_state_dict inside the loop, an export or "
     "evaluation helper that folds or normalises weights in place (run it on copy.deepcopy(model)), a shallow "
@@ -85,6 +85,39 @@ def _flat(p: torch.Tensor) -> Optional[torch.Tensor]:
         except RuntimeError:
             continue
     return None
+
+
+# A slice that ``torch.renorm`` scaled down has the ball's radius as its norm up to the float32
+# rounding of its norm and scale (about sqrt(n) x 6e-8 for n entries, 6e-6 at 10^4) and renorm's
+# 1e-7 added to the norm; 1e-4 bounds both for slices of up to 10^6 entries of norm >= 0.01.
+BALL_RTOL = 1e-4
+
+
+def _on_ball(p: torch.Tensor, was: torch.Tensor, now: torch.Tensor, moved: torch.Tensor, k: int) -> bool:
+    """Whether the sampled entries that changed (``moved``, of the ``k`` taken as the
+    fingerprint takes them) were each scaled toward zero, their slice along dimension 0 or 1
+    now at the largest slice norm of the tensor, which at least two slices share: a projection
+    onto a norm ball per slice."""
+    if p.dim() < 2 or not bool(moved.any()):
+        return False
+    shrank = (now.abs() < was.abs()) & (torch.sign(now) == torch.sign(was))
+    if not bool(shrank[moved].all()):
+        return False
+    t = local(p.detach()).float()
+    n = t.numel()
+    stride = n // k
+    index = torch.arange(k, device=t.device)[moved.to(t.device)] * stride + stride // 2
+    inner = n // (t.shape[0] * t.shape[1])
+    slices = [(0, index // (n // t.shape[0]))]  # dimension 0 is outermost in every layout _flat reads
+    if p.is_contiguous():
+        slices.append((1, (index // inner) % t.shape[1]))
+    for dim, of_entry in slices:
+        norms = torch.linalg.vector_norm(t.transpose(0, dim).reshape(t.shape[dim], -1), dim=1)
+        on = (norms.max() - norms) <= BALL_RTOL * norms.max()
+        # at least two slices on the ball: one slice at the largest norm is every tensor's case
+        if int(on.sum()) >= 2 and bool(on[of_entry].all()):
+            return True
+    return False
 
 
 class Fingerprints:
@@ -132,9 +165,13 @@ class Fingerprints:
 
     def projected(self, before: torch.Tensor, after: torch.Tensor, changed: Sequence[int]) -> set:
         """Of the tensors ``changed`` between two samples, those whose change is an in-place
-        projection onto a box (``clamp_(lo, hi)``, ``clamp_(min=0)``): every sampled entry that
-        changed moved from outside onto the tensor's present minimum or maximum, exactly. An
-        edit of another kind (a copy loaded, a rescaling) leaves entries inside the range."""
+        projection onto a constraint set: onto a box (``clamp_(lo, hi)``, ``clamp_(min=0)``),
+        where every sampled entry that changed moved from outside exactly onto the tensor's
+        present minimum or maximum; or onto a norm ball per slice (a max-norm constraint,
+        ``torch.renorm``), where every sampled entry that changed shrank toward zero and its
+        slice's norm is now the largest slice norm (``_on_ball``). An edit of another kind (a
+        copy loaded, a rescaling of the whole tensor) leaves changed entries inside the range
+        or their slices below the largest."""
         b, a = before.view(self.dtype), after.view(self.dtype)
         out = set()
         with torch.no_grad():
@@ -147,7 +184,7 @@ class Fingerprints:
                 moved = was != now
                 low, high = flat.min().to(now.dtype), flat.max().to(now.dtype)
                 onto = ((now == high) & (was > now)) | ((now == low) & (was < now))
-                if bool(onto[moved].all()):
+                if bool(onto[moved].all()) or _on_ball(self.params[i], was, now, moved, hi - lo):
                     out.add(i)
         return out
 
@@ -281,16 +318,17 @@ class StepInvariants:
             if changed:
                 found += [(step, h) for h in self._describe(step, where, changed, frozen)]
             if clamped:
-                found.append((step, self._clamped(sorted(clamped))))
+                found.append((step, self._projected(sorted(clamped))))
         return found
 
-    def _clamped(self, clamped: list[int]) -> Hit:
+    def _projected(self, projected: list[int]) -> Hit:
         names = self.prints.names
-        shown = ", ".join(names[i] for i in clamped[:6]) + (" ..." if len(clamped) > 6 else "")
-        return ("clamped_between_steps", names[clamped[0]], (
-            f"{len(clamped)} tensor(s) clamped in place between the last optimizer.step() and this step's forward "
-            f"pass ({shown}): every sampled entry that changed moved onto the tensor's bound, a projection onto a "
-            "box (WGAN's weight clipping, a non-negativity constraint)"), {"tensors_clamped": len(clamped)})
+        shown = ", ".join(names[i] for i in projected[:6]) + (" ..." if len(projected) > 6 else "")
+        return ("projected_between_steps", names[projected[0]], (
+            f"{len(projected)} tensor(s) projected in place onto a constraint between the last optimizer.step() and "
+            f"this step's forward pass ({shown}): every sampled entry that changed moved onto the tensor's bound (a "
+            "clamp: WGAN's weight clipping, a non-negativity constraint) or shrank with its slice onto the largest "
+            "slice norm (a max-norm constraint, torch.renorm)"), {"tensors_projected": len(projected)})
 
     def _describe(self, step: int, where: str, changed: list[int], frozen: set) -> list[Hit]:
         names = self.prints.names
