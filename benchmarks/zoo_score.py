@@ -8,6 +8,7 @@ warning or error, and how many crash.
     python benchmarks/zoo_score.py --half all --heldout2    # a second such variation, run once
     python benchmarks/zoo_score.py --half all --heldout3    # a third, run once
     python benchmarks/zoo_score.py --half all --heldout4    # a fourth, run once
+    python benchmarks/zoo_score.py --half all --heldout5    # a fifth, run once
     python benchmarks/zoo_score.py --models tv/resnet18 hf/gpt2 --json out.json
 
 Default run: plain SGD (lr 0.01), batch 2, each model's small input, 3 steps, seed 0.
@@ -22,7 +23,11 @@ gradients behind closed ReLU gates: batch 5, inputs three eighths as large again
 four. ``--heldout4``, fixed the same way before its one run, after the zoo's CLIP config was
 given an end-of-text token inside its vocabulary (the checks unchanged since ``--heldout3``):
 batch 6, inputs an eighth as large again (``size + size // 8``), seed 4, optimizers by the hash
-of ``"heldout4:" + name`` over the same four. One thread; run it with ``nice``.
+of ``"heldout4:" + name`` over the same four. ``--heldout5``, fixed the same way before its one
+run, after the live checks for unregistered tensors, projections between steps, an optimizer that
+never steps, a step before its backward and eval mode in a frozen part: batch 7, inputs a
+sixteenth as large again (``size + size // 16``), seed 5, optimizers by the hash of
+``"heldout5:" + name`` over the same four. One thread; run it with ``nice``.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ VARIATIONS = {
     "heldout2": (heldout2_optimizer, 4, lambda size: size + size // 4, 2),
     "heldout3": (lambda name: hashed_optimizer("heldout3", name), 5, lambda size: size + 3 * size // 8, 3),
     "heldout4": (lambda name: hashed_optimizer("heldout4", name), 6, lambda size: size + size // 8, 4),
+    "heldout5": (lambda name: hashed_optimizer("heldout5", name), 7, lambda size: size + size // 16, 5),
 }
 
 
@@ -78,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heldout2", action="store_true", help="a second variation: batch 4, inputs 1.25x, seed 2")
     parser.add_argument("--heldout3", action="store_true", help="a third variation: batch 5, inputs 1.375x, seed 3")
     parser.add_argument("--heldout4", action="store_true", help="a fourth variation: batch 6, inputs 1.125x, seed 4")
+    parser.add_argument("--heldout5", action="store_true", help="a fifth variation: batch 7, inputs 1.0625x, seed 5")
     parser.add_argument("--json", default=None, help="write every outcome here")
     args = parser.parse_args(argv)
     chosen = [v for v in VARIATIONS if getattr(args, v)]
