@@ -129,3 +129,36 @@ def test_an_averaged_copy_loaded_between_steps_is_not_a_clamp(tmp_path):
                    after=lambda: model.load_state_dict(average))
     assert any(k == "changed_between_steps" for k, _, _ in found)
     assert not any(k == "projected_between_steps" for k, _, _ in found)
+
+
+class _Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.norm, self.out = nn.Linear(6, 16), nn.LayerNorm(16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.norm(self.inp(x))))
+
+
+@pytest.mark.parametrize("master", [False, True])
+def test_updates_rounded_away_in_bf16_weights_are_not_updated(tmp_path, master):
+    """bf16 weights stepped by Adam at lr 1e-4: a LayerNorm gain at 1.0 moves by about 1e-4, under
+    half a bf16 ulp there (2^-9), so it never changes; with float32 master weights (bf16 autocast)
+    it moves. The finding holds on the first and not on the second."""
+    model = _Normed() if master else _Normed().to(torch.bfloat16)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    with gradrepro.record(model, opt, tmp_path / "run", every=2, activations=False, on_finding="log") as rec:
+        for _ in range(4):
+            opt.zero_grad()
+            x, y = _data()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=master):
+                out = model(x if master else x.bfloat16())
+            F.cross_entropy(out.float(), y).backward()
+            opt.step()
+    found = {(f.kind, f.name) for f in rec.watch.found}
+    if master:
+        assert found == set()
+    else:
+        assert ("not_updated", "norm.weight") in found
+        assert "float32 master copy" in str(next(f for f in rec.watch.found if f.name == "norm.weight"))

@@ -210,7 +210,15 @@ def column_hits(step: int, names: list[str], params: list[torch.Tensor], columns
                          f"NaN or Inf at step {step}", {"frac_nonfinite": frac, "nonfinite_entries": count}))
         elif state[i] in ("finite", "tiny") and u_to_p[i] == 0 and id(params[i]) in lrs:
             lr = lrs[id(params[i])]
-            if lr > 0 and _below_resolution(params[i], lr * float(g_norm[i]), float(columns["param_norm"][i])):
+            step_norm, p_norm = lr * float(g_norm[i]), float(columns["param_norm"][i])
+            if lr > 0 and _below_resolution(params[i], step_norm, p_norm):
+                if _lost_to_dtype(params[i], step_norm, p_norm):
+                    dtype = str(params[i].dtype).replace("torch.", "")
+                    hits.append(("not_updated", names[i], (
+                        f"a finite gradient, held by the optimizer with lr {lr:g}, and no change at step {step}: an "
+                        f"SGD-sized step (lr x ||grad|| = {step_norm:.3g}) is under half a unit in the last place of "
+                        f"the {dtype} weights (norm {p_norm:.3g}) and rounds away, where float32 would keep it: "
+                        f"{dtype} weights without a float32 master copy"), {"lr": lr, "step_norm": step_norm}))
                 continue
             ratio = float(columns["grad_to_param"][i])
             if lr == 0:
@@ -227,6 +235,13 @@ def _below_resolution(p: torch.Tensor, step_norm: float, p_norm: float) -> bool:
     """An SGD-sized step (lr x ||grad||) under half an ulp of the tensor's norm rounds away: no
     change is then what the dtype allows (a bias in front of a BatchNorm has a ~0 gradient)."""
     return step_norm < 0.5 * torch.finfo(p.dtype).eps * p_norm if p.is_floating_point() else False
+
+
+def _lost_to_dtype(p: torch.Tensor, step_norm: float, p_norm: float) -> bool:
+    """A step that rounds away in ``p``'s 16-bit dtype but not in float32: lost to the dtype,
+    not to a gradient that is ~0 by the model's algebra (which float32 loses too)."""
+    return (p.is_floating_point() and torch.finfo(p.dtype).bits == 16
+            and step_norm >= 0.5 * torch.finfo(torch.float32).eps * p_norm)
 
 
 def stale_hits(names: list[str], carried: Iterable[tuple[int, float, float]]) -> list[Hit]:
