@@ -162,3 +162,48 @@ def test_updates_rounded_away_in_bf16_weights_are_not_updated(tmp_path, master):
     else:
         assert ("not_updated", "norm.weight") in found
         assert "float32 master copy" in str(next(f for f in rec.watch.found if f.name == "norm.weight"))
+
+
+class _Blocks(nn.Module):
+    """Three hidden blocks: three built (``repeat=False``), one built and repeated in the list
+    (the bug), or one MLP held by two attributes (sharing on purpose, as timm's CoaT does)."""
+
+    def __init__(self, repeat: bool = False, shared_attrs: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = nn.Linear(6, 8), nn.Linear(8, 3)
+        block = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([block] * 3 if repeat else [nn.Linear(8, 8) for _ in range(3)])
+        if shared_attrs:
+            self.mlp_a = self.mlp_b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        for b in self.blocks:
+            h = torch.relu(b(h))
+        if hasattr(self, "mlp_a"):
+            h = self.mlp_a(h) + self.mlp_b(h)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("repeat,shared_attrs", [(True, False), (False, False), (False, True)])
+def test_one_module_repeated_in_a_list_is_found(tmp_path, repeat, shared_attrs):
+    model = _Blocks(repeat, shared_attrs)
+    found = _train(tmp_path, model, torch.optim.Adam(model.parameters(), lr=1e-3))
+    assert found == ([("repeated_module", "blocks.0", "warning")] if repeat else [])
+
+
+@pytest.mark.parametrize("how", ["attribute", "method", "config_flag"])
+def test_a_freeze_by_attribute_is_found(tmp_path, how):
+    """``module.requires_grad = False`` freezes nothing (found); ``requires_grad_(False)`` does
+    (silent); a module keeping a True flag of its own under that name is not a freeze (silent)."""
+    model = Stack(True)
+    if how == "attribute":
+        model.out.requires_grad = False
+    elif how == "method":
+        model.out.requires_grad_(False)
+    else:
+        model.out.requires_grad = True
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    found = _train(tmp_path, model, opt)
+    assert found == ([("freeze_noop", "out", "warning")] if how == "attribute" else [])

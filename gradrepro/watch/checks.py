@@ -143,6 +143,41 @@ def registration_hits(model: nn.Module, optimizer: Optional[torch.optim.Optimize
     return hits, ids
 
 
+def structure_hits(model: nn.Module) -> list[Hit]:
+    """Two ways a model's structure says other than its author meant, read from the modules:
+
+    - ``repeated_module``: one module object at several places of one ``nn.ModuleList`` or
+      ``nn.Sequential`` (``nn.ModuleList([Block()] * n)``): the places share one set of weights,
+      where a list of n layers says n were built. Weights shared on purpose are one module
+      applied in a loop, or one module held by several attributes (tied embeddings, timm's CoaT
+      sharing one MLP between branches), neither of which this finds.
+    - ``freeze_noop``: a module whose instance attribute ``requires_grad`` is False while its own
+      parameters train: ``module.requires_grad = False`` sets an attribute and freezes nothing
+      (``module.requires_grad_(False)`` freezes)."""
+    hits: list[Hit] = []
+    for name, module in model.named_modules():
+        places: dict[int, list[str]] = {}
+        sequence = isinstance(module, (nn.ModuleList, nn.Sequential))  # attributes may share on purpose (CoaT)
+        for key, child in (module._modules.items() if sequence else ()):
+            if child is not None and any(True for _ in child.parameters()):
+                places.setdefault(id(child), []).append(key)
+        for keys in places.values():
+            if len(keys) > 1:
+                where = [f"{name}.{k}" if name else k for k in keys]
+                child = module._modules[keys[0]]
+                hits.append(("repeated_module", where[0], (
+                    f"one {type(child).__name__} object sits at {len(keys)} places of {name or 'the model'} "
+                    f"({', '.join(where[:6])}{' ...' if len(where) > 6 else ''}): they share one set of weights "
+                    f"({sum(p.numel() for p in child.parameters())} entries), not {len(keys)}; "
+                    "[module] * n repeats a reference, build each with its own call"), {"places": len(keys)}))
+        if vars(module).get("requires_grad") is False and any(p.requires_grad for p in module.parameters()):
+            hits.append(("freeze_noop", name or "<model>", (
+                f"{name or 'the model'}.requires_grad is False, an attribute of the module, while its parameters "
+                "still require grad and train: module.requires_grad = False freezes nothing; call "
+                "module.requires_grad_(False)"), {"trainable": sum(p.requires_grad for p in module.parameters())}))
+    return hits
+
+
 def membership_hits(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], unregistered: set = frozenset()
                     ) -> list[Hit]:
     """Trainable tensors no param group holds, and tensors the optimizer holds that the model

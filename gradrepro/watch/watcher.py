@@ -56,10 +56,17 @@ KINDS: dict[str, str] = {
     "not_in_optimizer": ERROR, "stale_optimizer_param": ERROR, "lr_zero": INFO, "not_updated": ERROR,
     "no_gradient": INFO, "grad_modified": ERROR, "nonfinite_gradient": ERROR, "stale_gradient": ERROR,
     "eval_mode": WARNING, "frozen_norm_drift": WARNING, "loss_scale_backoff": ERROR, "unregistered": WARNING,
+    "repeated_module": WARNING, "freeze_noop": WARNING,
 }
 KINDS.update(invariants.KINDS)  # the step's invariants (watch.invariants, watch.rule_check)
 KINDS["update_mismatch"] = WARNING
 NEXT_CHECK.update(invariants.NEXT_CHECK)
+NEXT_CHECK.update({
+    "repeated_module": "build each place with its own call: nn.ModuleList([Block() for _ in range(n)]), not "
+    "[Block()] * n; to share weights on purpose, keep one module and call it in a loop",
+    "freeze_noop": "module.requires_grad_(False), or p.requires_grad_(False) for p in module.parameters(), before "
+    "the optimizer is built (or leave its parameters out of the optimizer)",
+})
 PERSISTING = ("no_gradient", "lr_zero")
 _PERSISTED = {
     "no_gradient": "the loss does not use it: an auxiliary head or branch left out of the loss? Nothing to fix if on "
@@ -201,7 +208,7 @@ class Watch:
         self.rule.predict()
         if self._unregistered is None:  # once, at the first logged step: after a forward pass made any lazy attribute
             hits, self._unregistered = checks.registration_hits(self.model, self.optimizer)
-            self._hits += hits
+            self._hits += hits + checks.structure_hits(self.model)
         self._hits += checks.membership_hits(self.model, self.optimizer, self._unregistered)
         self._hits += checks.mode_hits(self.model, self._sensitive)
         self._hits += checks.drift_hits(self._watched, self._means)
