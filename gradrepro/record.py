@@ -234,6 +234,7 @@ class Recorder:
             # Called by hand (or by Lightning, before its gradient clipping), before_step() need not be
             # the moment right before the optimizer's step: the update rule is not checked.
             self.watch.rule.enabled = False
+            self.watch.at_step = False
 
     # -- the recorder's own failures: one finding, recording stops, the loop goes on -----------
     def _guard(self, fn: Any, where: str, *args: Any) -> None:

@@ -112,3 +112,25 @@ def test_a_loss_that_does_not_reach_the_model_is_still_no_gradient(tmp_path):
     found = _found(rec)
     assert ("no_gradient", "<model>", "error", 0) in found
     assert not any(kind == "grad_reset_in_step" for kind, *_ in found)
+
+
+@pytest.mark.parametrize("through_scaler", [False, True])
+def test_a_step_on_scaled_gradients_is_found(tmp_path, through_scaler):
+    """The loss scaled by a GradScaler, then optimizer.step() called directly (the bug), against
+    scaler.step(optimizer) and scaler.update()."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with gradrepro.record(model, opt, tmp_path / "run", every=2, activations=False, on_finding="log",
+                          scaler=scaler) as rec:
+        for _ in range(4):
+            opt.zero_grad()
+            x, y = _data()
+            scaler.scale(F.cross_entropy(model(x), y)).backward()
+            if through_scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+    found = _found(rec)
+    assert found == ([] if through_scaler else [("scaled_step", "<model>", "error", 0)])

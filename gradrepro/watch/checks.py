@@ -203,6 +203,27 @@ def membership_hits(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     return hits
 
 
+def scaled_step_hits(scaler: Any, optimizer: Any) -> list[Hit]:
+    """``optimizer.step()`` on gradients the ``GradScaler`` scaled and did not unscale: the loss
+    was scaled (``scaler.scale(loss).backward()``) but the step was taken directly, not through
+    ``scaler.step`` (which unscales first, then steps, or skips a step with non-finite
+    gradients), so every gradient the optimizer uses is the scale times too large. Read from
+    the scaler's record of the optimizer at the step's start (READY: nothing unscaled it)."""
+    if scaler is None or optimizer is None or hasattr(optimizer, "members") or not scaler.is_enabled():
+        return []
+    states = getattr(scaler, "_per_optimizer_states", None)
+    scale = float(scaler.get_scale())
+    if states is None or scale == 1.0:
+        return []
+    stage = states.get(id(optimizer), {}).get("stage")
+    if getattr(stage, "value", stage) not in (None, 0):  # UNSCALED (1) or STEPPED (2): through the scaler
+        return []
+    return [("scaled_step", "<model>", (
+        f"optimizer.step() ran on gradients still multiplied by the GradScaler's scale ({scale:g}): nothing "
+        "unscaled them (scaler.step(optimizer) does, or scaler.unscale_(optimizer)), so each update is that "
+        "many times too large, and steps with non-finite gradients are not skipped"), {"loss_scale": scale})]
+
+
 def group_lrs(optimizer: Optional[torch.optim.Optimizer]) -> dict[int, float]:
     """id(tensor) -> its param group's learning rate."""
     if optimizer is None:

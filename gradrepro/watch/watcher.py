@@ -56,7 +56,7 @@ KINDS: dict[str, str] = {
     "not_in_optimizer": ERROR, "stale_optimizer_param": ERROR, "lr_zero": INFO, "not_updated": ERROR,
     "no_gradient": INFO, "grad_modified": ERROR, "nonfinite_gradient": ERROR, "stale_gradient": ERROR,
     "eval_mode": WARNING, "frozen_norm_drift": WARNING, "loss_scale_backoff": ERROR, "unregistered": WARNING,
-    "repeated_module": WARNING, "freeze_noop": WARNING,
+    "repeated_module": WARNING, "freeze_noop": WARNING, "scaled_step": ERROR,
 }
 KINDS.update(invariants.KINDS)  # the step's invariants (watch.invariants, watch.rule_check)
 KINDS["update_mismatch"] = WARNING
@@ -64,6 +64,8 @@ NEXT_CHECK.update(invariants.NEXT_CHECK)
 NEXT_CHECK.update({
     "repeated_module": "build each place with its own call: nn.ModuleList([Block() for _ in range(n)]), not "
     "[Block()] * n; to share weights on purpose, keep one module and call it in a loop",
+    "scaled_step": "step through the scaler: scaler.step(optimizer) then scaler.update() (or call "
+    "scaler.unscale_(optimizer) before optimizer.step())",
     "freeze_noop": "module.requires_grad_(False), or p.requires_grad_(False) for p in module.parameters(), before "
     "the optimizer is built (or leave its parameters out of the optimizer)",
 })
@@ -137,6 +139,7 @@ class Watch:
         self.trail = invariants.BackwardTrail(probe.names, probe.params, self.invariants.prints)
         self.rule = UpdateRuleCheck(probe.names, probe.params, self.invariants.prints, optimizer)
         self._hits: list[checks.Hit] = []  # found before the step, reported after it
+        self.at_step = True  # before_step runs in the optimizer's step pre-hook (False: called by hand, Lightning)
         self._unregistered: Optional[set] = None  # ids of tensors held unregistered (the first logged step's scan)
         self._held: Optional[tuple] = None  # (step, hit): no gradient at the step, said at the next pass (_hold)
         self._late: Optional[str] = None  # the first tensor a backward after that step reached
@@ -210,6 +213,8 @@ class Watch:
             hits, self._unregistered = checks.registration_hits(self.model, self.optimizer)
             self._hits += hits + checks.structure_hits(self.model)
         self._hits += checks.membership_hits(self.model, self.optimizer, self._unregistered)
+        if self.at_step:  # inside optimizer.step() (its pre-hook), not a caller's hook before it (a scaler's step)
+            self._hits += checks.scaled_step_hits(self.scaler, self.optimizer)
         self._hits += checks.mode_hits(self.model, self._sensitive)
         self._hits += checks.drift_hits(self._watched, self._means)
 
