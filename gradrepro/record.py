@@ -475,16 +475,23 @@ class Recorder:
         for handle in self._handles:
             handle.remove()
         self._after_forward(self.model, (), None)  # a forward that raised leaves nothing set
+        raised: Optional[FindingError] = None
         if self.watch is not None:
             self.watch.disarm()
-            self.watch.settle()
+            try:
+                self.watch.settle()  # a finding held for the next forward pass, said now
+            except FindingError as exc:  # on_finding="raise": after the folder is written
+                raised = exc
         if self._current is not None:
             self._current.__exit__(RuntimeError, None, None)  # disarms, records nothing
             self._current = None
         self._close_row()
         self._close_last_row()
         self.status = status
+        raised = raised if error is None else None  # closing on the loop's own error: that one propagates
         if not self._writes:
+            if raised is not None:
+                raise raised
             return
         try:
             self.records.flush()
@@ -496,6 +503,8 @@ class Recorder:
                 log.warning("could not draw %s: %s", FIGURE, exc)
         finally:
             release(self.run_dir)
+        if raised is not None:
+            raise raised
 
     def _close_last_row(self) -> None:
         """The last step taken, when the schedule did not log it: its scalars (``rec.log``

@@ -134,3 +134,20 @@ def test_a_step_on_scaled_gradients_is_found(tmp_path, through_scaler):
                 opt.step()
     found = _found(rec)
     assert found == ([] if through_scaler else [("scaled_step", "<model>", "error", 0)])
+
+
+def test_a_held_finding_raised_at_close_keeps_the_folder(tmp_path):
+    """on_finding="raise" with the loss cut on the last step: the whole-model finding is held to
+    the next forward pass, which never comes; close() writes the folder, then raises it."""
+    from gradrepro.watch.watcher import FindingError
+
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = gradrepro.record(model, opt, tmp_path / "run", every=1, activations=False, on_finding="raise")
+    x, y = _data()
+    out = model(x)
+    torch.tensor(F.cross_entropy(out, y).item(), requires_grad=True).backward()
+    opt.step()
+    with pytest.raises(FindingError):
+        rec.close()
+    assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "modules.parquet").exists()
