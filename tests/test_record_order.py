@@ -151,3 +151,35 @@ def test_a_held_finding_raised_at_close_keeps_the_folder(tmp_path):
     with pytest.raises(FindingError):
         rec.close()
     assert (tmp_path / "run" / "summary.json").exists() and (tmp_path / "run" / "modules.parquet").exists()
+
+
+@pytest.mark.parametrize("assigned", [True, False])
+def test_gradients_assigned_by_hand_after_autograd_grad_are_not_stale(tmp_path, assigned):
+    """Per-sample clipping without torch.func: each sample's gradient by autograd.grad (which
+    leaves .grad alone), clipped, averaged, put in .grad after zero_grad(): not stale. The
+    control adds the average into the .grad the last step left (no zero_grad): stale."""
+    model = _mlp()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    with gradrepro.record(model, opt, tmp_path / "run", every=2, activations=False, on_finding="log") as rec:
+        for _ in range(6):
+            x, y = _data(4)
+            total = [torch.zeros_like(p) for p in params]
+            for i in range(4):
+                grads = torch.autograd.grad(F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params)
+                norm = float(torch.sqrt(sum(g.pow(2).sum() for g in grads)))
+                for acc, g in zip(total, grads):
+                    acc.add_(g, alpha=min(1.0, 1.0 / (norm + 1e-6)) / 4)
+            if assigned:
+                opt.zero_grad()
+                for p, acc in zip(params, total):
+                    p.grad = acc
+            else:
+                for p, acc in zip(params, total):
+                    if p.grad is None:
+                        p.grad = acc
+                    else:
+                        p.grad.add_(acc)
+            opt.step()
+    kinds = {kind for kind, *_ in _found(rec)}
+    assert kinds == (set() if assigned else {"stale_gradient"})

@@ -378,11 +378,13 @@ class BackwardTrail:
         """Nothing more is judged this step (the trail itself failed)."""
         self._stopped = True
 
-    def stop(self) -> None:
+    def stop(self, carried_used: bool = True) -> None:
         """optimizer.step() began: backward passes inside it (a closure) are the optimizer's. A
         step none of whose backward passes started from a reset gradient sums the last step's
-        into its own (however other losses wrote .grad in between: a GAN's generator pass)."""
-        if not self._stopped and self._passes and not self._any_fresh and self._carried > 0:
+        into its own (however other losses wrote .grad in between: a GAN's generator pass),
+        unless the step does not use the tensors carried in (``carried_used`` False: .grad was
+        replaced after the backward passes)."""
+        if carried_used and not self._stopped and self._passes and not self._any_fresh and self._carried > 0:
             self.found.append(("stale_gradient", "<model>", (
                 f"none of this step's {self._passes} backward pass(es) started from a reset gradient: the first "
                 f"began on .grad holding {self._carried:.4g} (norm over the model) from before the step, so the step "

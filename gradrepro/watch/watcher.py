@@ -207,7 +207,17 @@ class Watch:
 
     def before_step(self) -> None:
         """The gradients are complete; the probe has not read them yet."""
-        self.trail.stop()
+        # A stale gradient is one the step uses: where .grad is no longer the tensor it held when
+        # the step began (set to None and assigned anew: gradients made by autograd.grad and put
+        # in .grad by hand, as per-sample clipping does), the backward passes did not sum into it.
+        params = self.probe.params
+        still = {i for i, (ref, _) in self._marks.items() if ref() is not None and ref() is params[i].grad}
+        self.trail.stop(carried_used=bool(still) or not self._marks)
+        if self._start is not None:
+            idx, carried, diff = self._start
+            keep = [k for k, i in enumerate(idx) if i in still]
+            self._start = ([idx[k] for k in keep], [carried[k] for k in keep], [diff[k] for k in keep]) if keep \
+                else None
         self.rule.predict()
         if self._unregistered is None:  # once, at the first logged step: after a forward pass made any lazy attribute
             hits, self._unregistered = checks.registration_hits(self.model, self.optimizer)
