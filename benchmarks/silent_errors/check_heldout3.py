@@ -11,7 +11,6 @@ Exit status 1 if any check fails."""
 
 import copy
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -20,72 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases_heldout3 import CASES  # noqa: E402
 from harness import batch  # noqa: E402
 from healthy_heldout3 import HEALTHY  # noqa: E402
-
-
-class Entry:
-    def __init__(self, model, opts, options):
-        self.model, self.opts, self.options, self.steps = model, opts, options, []
-        self.init = {n: p.detach().clone() for n, p in model.named_parameters()}
-        self.buffers0 = {n: b.detach().clone() for n, b in model.named_buffers()}
-
-
-def _stats(opt):
-    gmax, finite = 0.0, True
-    for g in opt.param_groups:
-        for p in g["params"]:
-            if p.grad is None:
-                continue
-            v = p.grad.coalesce().values() if p.grad.is_sparse else p.grad
-            finite &= bool(torch.isfinite(v).all())
-            gmax = max(gmax, float(v.abs().max()) if v.numel() else 0.0)
-    return {"gmax": gmax, "finite": finite, "lrs": [g["lr"] for g in opt.param_groups]}
-
-
-class Stub:
-    def __init__(self):
-        self.entries = []
-
-    def __call__(self, model, optimizer, **options):
-        opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-        e = Entry(model, opts, options)
-        for o in opts:
-            o.register_step_pre_hook(lambda opt, a, k, e=e: e.steps.append(_stats(opt)))
-        self.entries.append(e)
-        return None
-
-
-def run(fn, buggy):
-    torch.manual_seed(0)
-    stub = Stub()
-    t = time.perf_counter()
-    out = fn(buggy, stub)
-    return out, stub.entries, time.perf_counter() - t
-
-
-def moved(e, name):
-    return float((dict(e.model.named_parameters())[name].detach().float() - e.init[name].float()).abs().max())
-
-
-def dist(e):
-    return sum(float((p.detach() - e.init[n]).pow(2).sum()) for n, p in e.model.named_parameters()) ** 0.5
-
-
-def finite_params(e):
-    return all(bool(torch.isfinite(p).all()) for p in e.model.parameters())
-
-
-def same_params(a, b):
-    return all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
-
-
-CHECKS = {}  # case name -> check(buggy entries, fixed entries) -> (ok, text)
-
-
-def check_of(name):
-    def register(fn):
-        CHECKS[name] = fn
-        return fn
-    return register
+from stub_check import CHECKS, check_all, check_of, dist, finite_params, moved, run, same_params  # noqa: E402
 
 
 @check_of("backbone_group_filtered_while_frozen")
@@ -251,28 +185,15 @@ def loss_before_after(e, transform):
         return float(ce(start(x), y)), float(ce(e.model(x), y))
 
 
+def _trained(name, entries):
+    if name not in CLASSIFIERS:
+        return None
+    before, after = loss_before_after(entries[0], CLASSIFIERS[name])
+    return after < before, f" held-aside loss {before:.3f} -> {after:.3f}"
+
+
 def main():
-    torch.set_num_threads(1)
-    ok_all = True
-    for name, case in CASES.items():
-        (sb, b, tb), (sf, f, tf) = run(case.run, True), run(case.run, False)
-        ok, text = CHECKS[name](b, f) if name in CHECKS else (False, "no check written")
-        ok_all &= ok and sb == sf
-        print(f"{'OK  ' if ok else 'FAIL'} {name:45s} bug@{sb} ({tb:.2f}s/{tf:.2f}s) {text}")
-    for name, fn in HEALTHY.items():
-        r, entries, t = run(fn, True)
-        ok = r == -1 and all(finite_params(e) and dist(e) > 0 for e in entries) and \
-            all(s["finite"] for e in entries for s in e.steps)
-        trained = ""
-        if name in CLASSIFIERS:
-            before, after = loss_before_after(entries[0], CLASSIFIERS[name])
-            ok &= after < before
-            trained = f" held-aside loss {before:.3f} -> {after:.3f}"
-        ok_all &= ok
-        print(f"{'OK  ' if ok else 'FAIL'} healthy {name:37s} ({t:.2f}s) steps={[len(e.steps) for e in entries]} "
-              f"moved={[round(dist(e), 3) for e in entries]}{trained}")
-    print("ALL OK" if ok_all else "SOME FAILED")
-    return 0 if ok_all else 1
+    return check_all(CASES, HEALTHY, CHECKS, _trained)
 
 
 if __name__ == "__main__":
