@@ -207,3 +207,21 @@ def test_a_freeze_by_attribute_is_found(tmp_path, how):
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     found = _train(tmp_path, model, opt)
     assert found == ([("freeze_noop", "out", "warning")] if how == "attribute" else [])
+
+
+@pytest.mark.parametrize("p,momentum,expected", [
+    (True, 0.1, [("dropout_all", "drop", "warning")]),  # a flag passed as the rate: p = 1
+    (0.5, 0.99, [("norm_momentum", "norm", "warning")]),  # TensorFlow's momentum convention
+    (0.5, 0.1, []),  # PyTorch's defaults
+    (0.5, 0.01, []),  # TensorFlow's 0.99 converted
+])
+def test_a_dropout_that_drops_all_and_an_inverted_norm_momentum_are_found(tmp_path, p, momentum, expected):
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("inp", nn.Linear(6, 16))
+    model.add_module("norm", nn.BatchNorm1d(16, momentum=momentum))
+    model.add_module("act", nn.ReLU())
+    model.add_module("drop", nn.Dropout(p))
+    model.add_module("out", nn.Linear(16, 3))
+    found = _train(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.05))
+    assert found == expected

@@ -153,7 +153,12 @@ def structure_hits(model: nn.Module) -> list[Hit]:
       sharing one MLP between branches), neither of which this finds.
     - ``freeze_noop``: a module whose instance attribute ``requires_grad`` is False while its own
       parameters train: ``module.requires_grad = False`` sets an attribute and freezes nothing
-      (``module.requires_grad_(False)`` freezes)."""
+      (``module.requires_grad_(False)`` freezes).
+    - ``dropout_all``: a dropout module in train mode with p >= 1: it zeroes every entry.
+    - ``norm_momentum``: a normalisation layer whose running-statistics momentum is above 1/2,
+      where each batch weighs more than all the earlier ones together: the statistics follow the
+      last batch (TensorFlow's convention, 0.99 for keeping 99% of the old value, given to
+      PyTorch, where the default 0.1 keeps 90%)."""
     hits: list[Hit] = []
     for name, module in model.named_modules():
         places: dict[int, list[str]] = {}
@@ -170,6 +175,19 @@ def structure_hits(model: nn.Module) -> list[Hit]:
                     f"({', '.join(where[:6])}{' ...' if len(where) > 6 else ''}): they share one set of weights "
                     f"({sum(p.numel() for p in child.parameters())} entries), not {len(keys)}; "
                     "[module] * n repeats a reference, build each with its own call"), {"places": len(keys)}))
+        if isinstance(module, _DROPOUT) and module.training and float(getattr(module, "p", 0.0)) >= 1.0:
+            hits.append(("dropout_all", name or "<model>", (
+                f"{name or 'the model'} is a {type(module).__name__} with p = {float(module.p):g}: in training it "
+                "zeroes every entry, so nothing before it gets a gradient through it (a flag passed where the rate "
+                "goes: Dropout(True) is p = 1)"), {"p": float(module.p)}))
+        momentum = getattr(module, "momentum", None) if isinstance(module, _NORM) else None
+        if isinstance(momentum, float) and momentum > 0.5 and getattr(module, "track_running_stats", False):
+            hits.append(("norm_momentum", name or "<model>", (
+                f"{name or 'the model'} is a {type(module).__name__} with momentum {momentum:g}: PyTorch's running "
+                f"statistics keep {1 - momentum:g} of the old value and take {momentum:g} of each batch, so they "
+                "follow the last batch, and evaluation normalises with one batch's statistics (TensorFlow's "
+                f"momentum convention? there {momentum:g} means keeping {momentum:g} of the old value)"),
+                {"momentum": momentum}))
         if vars(module).get("requires_grad") is False and any(p.requires_grad for p in module.parameters()):
             hits.append(("freeze_noop", name or "<model>", (
                 f"{name or 'the model'}.requires_grad is False, an attribute of the module, while its parameters "

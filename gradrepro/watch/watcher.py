@@ -56,7 +56,8 @@ KINDS: dict[str, str] = {
     "not_in_optimizer": ERROR, "stale_optimizer_param": ERROR, "lr_zero": INFO, "not_updated": ERROR,
     "no_gradient": INFO, "grad_modified": ERROR, "nonfinite_gradient": ERROR, "stale_gradient": ERROR,
     "eval_mode": WARNING, "frozen_norm_drift": WARNING, "loss_scale_backoff": ERROR, "unregistered": WARNING,
-    "repeated_module": WARNING, "freeze_noop": WARNING, "scaled_step": ERROR,
+    "repeated_module": WARNING, "freeze_noop": WARNING, "scaled_step": ERROR, "dropout_all": WARNING,
+    "norm_momentum": WARNING,
 }
 KINDS.update(invariants.KINDS)  # the step's invariants (watch.invariants, watch.rule_check)
 KINDS["update_mismatch"] = WARNING
@@ -66,6 +67,10 @@ NEXT_CHECK.update({
     "[Block()] * n; to share weights on purpose, keep one module and call it in a loop",
     "scaled_step": "step through the scaler: scaler.step(optimizer) then scaler.update() (or call "
     "scaler.unscale_(optimizer) before optimizer.step())",
+    "dropout_all": "give the dropout its rate (nn.Dropout(p=0.1)); a flag that turns dropout on or off chooses "
+    "whether to build the module, not its p",
+    "norm_momentum": "PyTorch's momentum is the weight of the new batch: 1 - (TensorFlow's momentum), e.g. 0.01 "
+    "for TensorFlow's 0.99",
     "freeze_noop": "module.requires_grad_(False), or p.requires_grad_(False) for p in module.parameters(), before "
     "the optimizer is built (or leave its parameters out of the optimizer)",
 })
