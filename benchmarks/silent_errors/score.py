@@ -1,6 +1,7 @@
 """The silent-error benchmark's score, by one command:
 
-    python benchmarks/silent_errors/score.py [--set benchmark|heldout|heldout2|heldout3] [--half design|scored|all]
+    python benchmarks/silent_errors/score.py [--set benchmark|heldout|heldout2|heldout3|heldout4]
+                                             [--half design|scored|all]
                                              [--cases NAME ...] [--healthy NAME ...] [--no-overhead]
                                              [--json out.json]
 
@@ -10,7 +11,8 @@ and any finding on the fixed form. Over the healthy models (healthy.py): the fin
 false positive). ``--set heldout`` scores the held-out set instead (cases_heldout.py,
 healthy_heldout.py: written blind, not split in halves) with the same columns; ``--set heldout2``
 the second held-out set (cases_heldout2.py, healthy_heldout2.py, written blind the same way);
-``--set heldout3`` the third (cases_heldout3.py, healthy_heldout3.py, written blind the same way). Then the cost
+``--set heldout3`` the third (cases_heldout3.py, healthy_heldout3.py, written blind the same way);
+``--set heldout4`` the fourth (cases_heldout4.py, healthy_heldout4.py, written blind the same way). Then the cost
 of live checking against the bare loop and against recording without live checks (CPU time of
 the training thread, interleaved rounds, medians).
 """
@@ -40,7 +42,7 @@ def first_logged_at_or_after(step: int, every: int = EVERY) -> int:
     return -(-step // every) * every
 
 
-SETS = ("benchmark", "heldout", "heldout2", "heldout3")
+SETS = ("benchmark", "heldout", "heldout2", "heldout3", "heldout4")
 
 
 def registries(which: str) -> tuple[dict, dict, dict]:
@@ -59,6 +61,11 @@ def registries(which: str) -> tuple[dict, dict, dict]:
         from cases_heldout3 import CASES as cases
         from cases_heldout3 import CAUSES as causes
         from healthy_heldout3 import HEALTHY as healthy
+        return cases, causes, healthy
+    if which == "heldout4":
+        from cases_heldout4 import CASES as cases
+        from cases_heldout4 import CAUSES as causes
+        from healthy_heldout4 import HEALTHY as healthy
         return cases, causes, healthy
     return CASES, CAUSES, HEALTHY
 
@@ -113,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = _Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", choices=SETS, default="benchmark",
                     help="the benchmark (cases.py, healthy.py; default), the held-out set (cases_heldout.py, "
-                         "healthy_heldout.py), the second held-out set (cases_heldout2.py, healthy_heldout2.py) "
-                         "or the third (cases_heldout3.py, healthy_heldout3.py)")
+                         "healthy_heldout.py), the second held-out set (cases_heldout2.py, healthy_heldout2.py), "
+                         "the third (cases_heldout3.py, healthy_heldout3.py) or the fourth (cases_heldout4.py, "
+                         "healthy_heldout4.py)")
     ap.add_argument("--half", choices=HALVES + ("all",), default="all",
                     help="the design half, the scored half (split.py), or all (default)")
     ap.add_argument("--cases", nargs="*", default=None, help="case names of the chosen set (default: all)")

@@ -1,5 +1,5 @@
 """The stand-in recorder the held-out sets' checks run their cases with (``check_heldout2.py``,
-``check_heldout3.py``): it keeps references to the model and optimizers and, through a step
+``check_heldout3.py``, ``check_heldout4.py``): it keeps references to the model and optimizers and, through a step
 pre-hook, each step's largest gradient entry, whether it is finite and the lrs; it records
 nothing and checks nothing of gradrepro's. ``check_all`` runs every case in both forms and every
 healthy loop once and prints a line each; exit status 1 if any check fails."""
