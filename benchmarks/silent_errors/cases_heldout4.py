@@ -88,7 +88,7 @@ def _two_task_batch(n=32):
     return x, torch.stack([x[:, :3].argmax(1), x[:, 3:6].argmax(1)], 1)
 
 
-@case("default_argument_module_shared", "https://www.e-learn.cn/qa/answer/140345/554212.html",
+@case("default_argument_module_shared", "https://github.com/nerfstudio-project/nerfstudio/pull/2197",
       "a task head whose projection is a default argument (evaluated once, at definition): both task "
       "heads hold the same layer, which is pulled toward two different tasks")
 def default_argument_module_shared(buggy, record):
@@ -228,7 +228,8 @@ class SeqModel(nn.Module):
         return self.head(F.relu(self.normed(x)).mean(1))
 
 
-@case("batchnorm_over_positions", "https://mlverse.github.io/torch/reference/nn_batch_norm1d.html",
+@case("batchnorm_over_positions",
+      "https://github.com/xieyulai/LSTM-for-Human-Activity-Recognition-using-2D-Pose_Pytorch/issues/2",
       "BatchNorm1d expects (N, C, L); a sequence model hands it (N, L, C) with L equal to C, so it runs and "
       "normalises each position over batch and channels instead of each channel")
 def batchnorm_over_positions(buggy, record):
@@ -289,7 +290,7 @@ def _init(m):
         nn.init.zeros_(m.bias)
 
 
-@case("reinitialised_every_step", "https://datascience.stackexchange.com/questions/73359",
+@case("reinitialised_every_step", "https://github.com/flairNLP/flair/issues/1899",
       "the weight-initialisation call model.apply(init) placed inside the training loop: every step "
       "starts from fresh random weights, nothing learned survives")
 def reinitialised_every_step(buggy, record):
