@@ -100,6 +100,13 @@ def _max_norm(model):
     return after
 
 
+def _zero_fill(model):
+    def after():  # a re-initialisation that fills the weights with zeros: an edit, not a constraint
+        with torch.no_grad():
+            model.out.weight.zero_()
+    return after
+
+
 def _floor(model):
     def after():  # a non-negativity constraint
         with torch.no_grad():
@@ -111,7 +118,8 @@ def _floor(model):
     (_clamp, "projected_between_steps", "info"),  # WGAN's weight clipping (Arjovsky et al. 2017, Alg. 1)
     (_floor, "projected_between_steps", "info"),
     (_max_norm, "projected_between_steps", "info"),
-    (_shrink, "changed_between_steps", "warning"),  # an edit that is not a projection onto a box
+    (_shrink, "changed_between_steps", "warning"),
+    (_zero_fill, "changed_between_steps", "warning"),  # an edit that is not a projection onto a box
 ])
 def test_a_clamp_between_steps_is_told_from_other_edits(tmp_path, edit, kind, severity):
     model = Stack(True)

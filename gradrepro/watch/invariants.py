@@ -184,7 +184,9 @@ class Fingerprints:
                 moved = was != now
                 low, high = flat.min().to(now.dtype), flat.max().to(now.dtype)
                 onto = ((now == high) & (was > now)) | ((now == low) & (was < now))
-                if bool(onto[moved].all()) or _on_ball(self.params[i], was, now, moved, hi - lo):
+                # a constant fill of many entries is no box's projection (one entry cannot tell them apart)
+                box = (flat.numel() == 1 or bool(low < high)) and bool(onto[moved].all())
+                if box or _on_ball(self.params[i], was, now, moved, hi - lo):
                     out.add(i)
         return out
 
