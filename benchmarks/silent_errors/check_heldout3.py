@@ -9,7 +9,6 @@ nothing and checks nothing of gradrepro's. Per case, a line says whether the bug
 bug and the fixed form does not, with the numbers; a healthy loop must run, stay finite and train.
 Exit status 1 if any check fails."""
 
-import copy
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases_heldout3 import CASES  # noqa: E402
 from harness import batch  # noqa: E402
 from healthy_heldout3 import HEALTHY  # noqa: E402
-from stub_check import CHECKS, check_all, check_of, dist, finite_params, moved, run, same_params  # noqa: E402
+from stub_check import CHECKS, check_all, check_of, dist, finite_params, moved, run, same_params, trained_on_held_aside  # noqa: E402
 
 
 @check_of("backbone_group_filtered_while_frozen")
@@ -170,30 +169,8 @@ CLASSIFIERS = {"foreach_or_fused_adamw": None, "layerwise_lr_decay": None, "spec
                "quantisation_aware_ste": None, "per_sample_gradient_clipping": None, "reduce_lr_on_plateau": None}
 
 
-def loss_before_after(e, transform):
-    gen = torch.Generator().manual_seed(11)
-    x = torch.randn(512, 10, generator=gen)
-    y = x[:, :3].argmax(1)
-    x = transform(x) if transform is not None else x
-    start = copy.deepcopy(e.model)
-    with torch.no_grad():
-        for n, p in start.named_parameters():
-            p.copy_(e.init[n])
-        start.eval()
-        e.model.eval()
-        ce = torch.nn.functional.cross_entropy
-        return float(ce(start(x), y)), float(ce(e.model(x), y))
-
-
-def _trained(name, entries):
-    if name not in CLASSIFIERS:
-        return None
-    before, after = loss_before_after(entries[0], CLASSIFIERS[name])
-    return after < before, f" held-aside loss {before:.3f} -> {after:.3f}"
-
-
 def main():
-    return check_all(CASES, HEALTHY, CHECKS, _trained)
+    return check_all(CASES, HEALTHY, CHECKS, trained_on_held_aside(CLASSIFIERS))
 
 
 if __name__ == "__main__":

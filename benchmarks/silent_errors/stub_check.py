@@ -4,6 +4,7 @@ pre-hook, each step's largest gradient entry, whether it is finite and the lrs; 
 nothing and checks nothing of gradrepro's. ``check_all`` runs every case in both forms and every
 healthy loop once and prints a line each; exit status 1 if any check fails."""
 
+import copy
 import time
 
 import torch
@@ -75,6 +76,34 @@ def check_of(name):
     return register
 
 
+
+
+def held_aside_loss(e, transform=None) -> tuple:
+    """A classifier's cross-entropy on a fixed held-aside batch (512 examples of ``harness.batch``'s
+    rule; ``transform``: what the loop does to its inputs) at its first weights and at its last."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(512, 10, generator=gen)
+    y = x[:, :3].argmax(1)
+    x = transform(x) if transform is not None else x
+    start = copy.deepcopy(e.model)
+    with torch.no_grad():
+        for n, p in start.named_parameters():
+            p.copy_(e.init[n])
+        start.eval()
+        e.model.eval()
+        ce = torch.nn.functional.cross_entropy
+        return float(ce(start(x), y)), float(ce(e.model(x), y))
+
+
+def trained_on_held_aside(classifiers: dict):
+    """``check_all``'s ``trained``: for the loops named in ``classifiers`` (name -> input transform or
+    None), the held-aside loss must fall from the first weights to the last."""
+    def trained(name, entries):
+        if name not in classifiers:
+            return None
+        before, after = held_aside_loss(entries[0], classifiers[name])
+        return after < before, f" held-aside loss {before:.3f} -> {after:.3f}"
+    return trained
 
 
 def check_all(cases, healthy, checks, trained=None) -> int:
