@@ -180,3 +180,34 @@ def test_activation_gradient_counts_are_exact_with_nan_and_inf_in_the_gradient()
     zeros, small = reference_counts(grad)
     assert cols["act_grad_frac_zero"][0] == pytest.approx(zeros / grad.numel())
     assert cols["act_grad_frac_fp16_underflow"][0] == pytest.approx((small - zeros) / (grad.numel() - zeros))
+
+
+def test_cpu_squares_scale_only_the_blocks_the_host_reads_scaled_and_give_the_same_values():
+    """On the CPU ``squares`` scales only the blocks whose sum of squares the host takes from
+    the scaled norm (found on the host, no wait there): the sums of squares must be the same
+    bit for bit as those of the scaled pass over every block (the GPU's), on blocks of zeros,
+    of underflowing and overflowing squares, of NaN and inf, and of ordinary values; ``work``
+    is left as it was."""
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randn(64, generator=g) * s for s in (1.0, 1e-3, 1e-19, 1e-30, 1e-40, 1e19, 1e30)]
+    rows += [torch.zeros(64), torch.full((64,), float("nan")), torch.full((64,), float("inf")),
+             torch.cat([torch.zeros(63), torch.tensor([1e-44])])]
+    grid = torch.stack(rows)
+    grid[0, :10] = 0.0  # a partly zero block stays an ordinary one
+    layout = Layout([grid.numel()], "cpu", block=64)
+    stats = layout.stats(("x_hi", "x_lo"))
+    work = grid.clone()
+    assert blocks_mod.squares(grid, stats, "x_", work=work) is False
+    assert torch.equal(work.nan_to_num(), grid.nan_to_num())  # untouched
+    scaled = torch.mul(grid, blocks_mod.lo_scale(stats.column["x_hi"], *stats.scales))
+    full_lo = torch.linalg.vector_norm(scaled, dim=1).numpy().astype(np.float64)
+    hi = stats.row["x_hi"].numpy().astype(np.float64)
+    lo = stats.row["x_lo"].numpy().astype(np.float64)
+    real = np.full(len(rows), 64.0)
+    ours = blocks_mod.squares_from_norms(hi, lo, real)
+    theirs = blocks_mod.squares_from_norms(hi, full_lo, real)
+    assert np.array_equal(ours, theirs, equal_nan=True)
+    need = blocks_mod.lo_needed(stats.row["x_hi"].numpy(), 64)
+    assert set(need.tolist()) >= {3, 4, 5, 6, 7, 8, 9, 10}  # tiny, huge, zero, NaN, inf, subnormal
+    assert 0 not in need and 1 not in need
+    assert np.array_equal(lo[need], full_lo[need], equal_nan=True)

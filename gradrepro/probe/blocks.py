@@ -30,6 +30,7 @@ from gradrepro.probe.kernels import (
     SCALE_DOWN,
     SCALE_UP,
     counts_from_level_sums,
+    hi_usable,
     levels_,
     lo_scale,
     squares_from_norms,
@@ -282,12 +283,37 @@ def zero_pads_(buf: Buffer, layout: Layout) -> None:
         grid.index_copy_(0, layout.partial, rows)
 
 
-def squares(grid: torch.Tensor, stats: Stats, prefix: str, work: torch.Tensor) -> None:
-    """Per block, the norms of ``x`` and of ``x * kernels.lo_scale(that norm)`` (written
-    into ``work``, which may be ``grid`` itself) into rows ``prefix + "hi"``, ``"lo"``."""
-    torch.linalg.vector_norm(grid, dim=1, out=stats.row[prefix + "hi"])
-    torch.mul(grid, lo_scale(stats.column[prefix + "hi"], *stats.scales), out=work)
-    torch.linalg.vector_norm(work, dim=1, out=stats.row[prefix + "lo"])
+def squares(grid: torch.Tensor, stats: Stats, prefix: str, work: torch.Tensor) -> bool:
+    """Per block, the norms of ``x`` and of ``x * kernels.lo_scale(that norm)`` into rows
+    ``prefix + "hi"``, ``"lo"``. On a GPU the scaled copy goes to ``work`` (which may be
+    ``grid`` itself) for every block: no host wait. On the CPU the host reads ``hi`` at no
+    cost, so only the blocks whose sum of squares the host takes from ``lo``
+    (``kernels.squares_from_norms``) are scaled, in a copy of their rows; the others' ``lo``
+    is 0 (never read) and ``work`` is left as it was: two passes over the buffer fewer, the
+    same values where ``lo`` is read. True when ``work`` was written."""
+    hi, lo = stats.row[prefix + "hi"], stats.row[prefix + "lo"]
+    torch.linalg.vector_norm(grid, dim=1, out=hi)
+    if grid.device.type != "cpu":
+        torch.mul(grid, lo_scale(stats.column[prefix + "hi"], *stats.scales), out=work)
+        torch.linalg.vector_norm(work, dim=1, out=lo)
+        return True
+    lo.zero_()
+    # tolist, not numpy(): a storage numpy has seen can no longer be handed back (release_).
+    need = lo_needed(np.asarray(hi.tolist()), grid.shape[1])
+    if need.size:
+        index = torch.from_numpy(need)
+        rows = grid.index_select(0, index)
+        rows.mul_(lo_scale(hi.index_select(0, index).view(-1, 1), *stats.scales))
+        lo.index_copy_(0, index, torch.linalg.vector_norm(rows, dim=1))
+    return False
+
+
+def lo_needed(hi: np.ndarray, entries: int) -> np.ndarray:
+    """The blocks (of at most ``entries`` entries each) whose sum of squares
+    ``squares_from_norms`` may take from the scaled norm: it takes ``hi^2`` where
+    ``hi^2 >= numel 2^-100`` and ``hi < 2^60``, the same float64 comparison on the same
+    values, and ``numel <= entries`` (a ``hi`` of 0 may be squares that underflowed)."""
+    return np.flatnonzero(~hi_usable(hi.astype(np.float64), entries))
 
 
 # bf16 keeps 8 significant bits: half a unit in the last place of w is 2^(floor(log2|w|) - 8).

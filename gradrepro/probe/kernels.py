@@ -73,8 +73,8 @@ def counts_from_level_sums(numel, s1, s2):
 
 # Sums of squares of x * 2^100 (or 2^-100) beside those of x (see the module docstring).
 SCALE_UP, SCALE_DOWN = 2.0**100, 2.0**-100
-_HI_MIN_MEAN_SQUARE = 2.0**-100
-_HI_MAX_NORM = 2.0**60  # at or above it (or inf) the copy is scaled down instead
+HI_MIN_MEAN_SQUARE = 2.0**-100
+HI_MAX_NORM = 2.0**60  # at or above it (or inf) the copy is scaled down instead
 
 
 def lo_scale(hi, up=SCALE_UP, down=SCALE_DOWN):
@@ -83,8 +83,8 @@ def lo_scale(hi, up=SCALE_UP, down=SCALE_DOWN):
     ``up`` and ``down`` may be 0-d device tensors holding the two scales (kept by the
     caller, so that no constant is made anew on each step)."""
     if isinstance(hi, np.ndarray):
-        return np.where(hi < _HI_MAX_NORM, up, down)
-    return torch.where(hi < _HI_MAX_NORM, up, down)
+        return np.where(hi < HI_MAX_NORM, up, down)
+    return torch.where(hi < HI_MAX_NORM, up, down)
 
 
 def squares_from_norms(hi: np.ndarray, lo: np.ndarray, numel: np.ndarray) -> np.ndarray:
@@ -92,9 +92,14 @@ def squares_from_norms(hi: np.ndarray, lo: np.ndarray, numel: np.ndarray) -> np.
     ``numel`` entries each (see the module docstring); NaN stays NaN."""
     scale = lo_scale(hi)
     with np.errstate(invalid="ignore", over="ignore"):
-        hi2 = hi * hi
-        use_hi = (hi2 >= numel * _HI_MIN_MEAN_SQUARE) & (hi < _HI_MAX_NORM)
-        return np.where(use_hi, hi2, (lo / scale) ** 2)
+        return np.where(hi_usable(hi, numel), hi * hi, (lo / scale) ** 2)
+
+
+def hi_usable(hi: np.ndarray, numel) -> np.ndarray:
+    """Where ``squares_from_norms`` takes a block's sum of squares from ``hi`` (of ``numel``
+    entries) rather than from the scaled norm: False for NaN."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (hi * hi >= numel * HI_MIN_MEAN_SQUARE) & (hi < HI_MAX_NORM)
 
 
 def list_norms(tensors: List[torch.Tensor]) -> torch.Tensor:

@@ -177,16 +177,16 @@ class Reducer:
                 h.flat.copy_(work.flat, non_blocking=True)  # ordered before the next pass
                 squares(work.grid, rows, "p_", work=work.grid)
             return
-        # The copy alone is held beside the gradients: its norms' scaled pass runs in place
-        # over the whole layout, and a second copy (the parameters are as they were) puts its
-        # values back.
+        # The copy alone is held beside the gradients: its norms' scaled pass, where it runs
+        # (blocks.squares), runs in place over the whole layout, and a second copy (the
+        # parameters are as they were) puts its values back.
         before.regrow()
         params = self.tensors.values()
         torch._foreach_copy_(list(before.views), list(params))
         if not pads_zero:
             zero_pads_(before, layout)
-        squares(before.grid, stats, "p_", work=before.grid)
-        torch._foreach_copy_(list(before.views), list(params))
+        if squares(before.grid, stats, "p_", work=before.grid):
+            torch._foreach_copy_(list(before.views), list(params))
 
     # -- after the optimizer step: update norms, the one host transfer, the columns -----------
     def finish(self, buffers: StepBuffers, hooks: Hooks, step: int, pending: dict,
