@@ -22,6 +22,9 @@ Method (benchmarks/README.md has the measured tables):
 - ``--ops``: the operations the probe dispatches on one logged step and the bare step's own
   count, and the host waits among them (op_count.py): ``probe_ops``, ``bare_ops``,
   ``probe_syncs`` in every row of the model. ``--ops-only``: only those, one row per model.
+  ``--device-path``: the operations a GPU runs, counted on the CPU (the CPU's own sums of
+  squares read the plain norms on the host and scale only the blocks that need it, and its
+  fresh buffers are zeroed only where nothing is copied).
 - ``--growth``: the probe's added time per logged step against the number of parameter
   tensors (deep MLPs) and against batch size (cifar10_3c3d), interleaved the same way.
 """
@@ -252,6 +255,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--ops", action="store_true",
                    help="also count the probe's operations per logged step (on CPU)")
     p.add_argument("--ops-only", action="store_true", help="only the operation counts")
+    p.add_argument("--device-path", action="store_true",
+                   help="count the operations a GPU runs: the CPU's own shortcuts off "
+                        "(probe.blocks.HOST_SHORTCUTS)")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -288,7 +294,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     meta["batch"] = batch_sizes
     rows: List[dict] = []
     counts: Dict[str, dict] = {}
-    if args.ops or args.ops_only:  # on CPU: the probe's one path dispatches the same ops there
+    if args.device_path:
+        from gradrepro.probe import blocks
+        blocks.HOST_SHORTCUTS = False
+    meta["device_path"] = args.device_path
+    # On CPU: the probe's passes are the GPU's but for two host shortcuts (the sums of squares
+    # read on the host, fresh buffers zeroed only where nothing is copied; --device-path: off).
+    if args.ops or args.ops_only:
         counts = {r["model"]: r for r in ops_rows(models, batch_sizes)}
     if args.ops_only:
         rows, models, args.no_memory = list(counts.values()), [], True

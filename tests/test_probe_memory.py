@@ -183,6 +183,19 @@ def test_the_pre_step_copy_on_the_host_gives_the_same_records():
         assert_same_columns(host, _columns_of_a_run("device", bf16))
 
 
+@pytest.mark.parametrize("before_on", ["device", "host"])
+def test_the_hosts_shortcuts_give_the_device_passes_records(monkeypatch, before_on):
+    """The CPU's own passes (sums of squares whose plain norms the host reads, fresh buffers
+    zeroed only where nothing is copied: probe.blocks.HOST_SHORTCUTS) record what the passes a
+    GPU runs record, on the CPU: the same columns, bit for bit, with a frozen tensor, tensors
+    split across windows, bf16's count and the update, on both places of the pre-step copy."""
+    from gradrepro.probe import blocks
+
+    ours = _columns_of_a_run(before_on, True)
+    monkeypatch.setattr(blocks, "HOST_SHORTCUTS", False)
+    assert_same_columns(ours, _columns_of_a_run(before_on, True))
+
+
 def test_the_running_sum_check_keeps_the_copy_beside_the_parameters():
     probe = Probe(_net(), ProbeConfig(every=1, running_sum_steps=3, before_on="host"), total_steps=4)
     probe.buffers.ensure_layout()
@@ -322,11 +335,12 @@ def test_a_logged_step_holds_one_samples_buffer_and_across_the_optimizer_step_th
     assert copy + stats <= at_step[0] <= copy + stats + rows_held + small, (at_step, copy)
 
 
-def test_output_gradient_counts_from_a_float16_copy_are_the_exact_counts():
-    """The output gradients' zero and fp16-flush counts, taken through a float16 copy of the
-    window (its rounding to nearest even takes exactly |x| <= 2^-25 to zero), against counts
-    on the samples themselves: the flush line and its neighbours, subnormals, signed zeros,
-    NaN, inf and values past float16's range, in windows of 2 blocks."""
+def test_output_gradient_counts_from_masks_are_the_exact_counts():
+    """The output gradients' zero and fp16-flush counts, taken as 0/1 masks of the window
+    summed per block (float16's rounding to nearest even takes exactly |x| <= 2^-25 to zero;
+    pads count as flushed and are taken off on the host), against counts on the samples
+    themselves: the flush line and its neighbours, subnormals, signed zeros, NaN, inf and
+    values past float16's range, in windows of 2 blocks."""
     from gradrepro.probe.blocks import COUNT_ROWS, segment_nonzero_counts
     from gradrepro.probe.stash import Stash
     from gradrepro.probe.states import FP16_FLUSH

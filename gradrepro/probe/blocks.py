@@ -42,7 +42,7 @@ BLOCK = 2048
 MOMENT_ROWS = ("sum", "centre", "dsum", "hi", "lo")  # per block: sum, c, sum(x - c), |x - c| twice
 SQUARE_ROWS = ("hi", "lo")  # per block: |x|, |x * 2^100|
 LEVEL_ROWS = ("l1", "l2")  # per block: sum of levels, norm of levels
-COUNT_ROWS = ("nonzero", "kept")  # per block: entries not zero, entries fp16 keeps not zero
+COUNT_ROWS = ("nonzero", "flushed")  # per block: entries not zero, entries fp16 holds as zero (pads included)
 
 
 class Layout:
@@ -295,19 +295,33 @@ def squares(grid: torch.Tensor, stats: Stats, prefix: str, work: torch.Tensor) -
     same values where ``lo`` is read. True when ``work`` was written."""
     hi, lo = stats.row[prefix + "hi"], stats.row[prefix + "lo"]
     torch.linalg.vector_norm(grid, dim=1, out=hi)
-    if grid.device.type != "cpu":
+    if not host_path(grid) or grid.dtype not in _NUMPY_DTYPE:
         torch.mul(grid, lo_scale(stats.column[prefix + "hi"], *stats.scales), out=work)
         torch.linalg.vector_norm(work, dim=1, out=lo)
         return True
     lo.zero_()
     # tolist, not numpy(): a storage numpy has seen can no longer be handed back (release_).
-    need = lo_needed(np.asarray(hi.tolist()), grid.shape[1])
-    if need.size:
+    host_hi = np.asarray(hi.tolist(), dtype=np.float64)
+    need = lo_needed(host_hi, grid.shape[1])
+    if need.size:  # the scale as the device path takes it (exact powers of two), made on the host
+        scale = torch.from_numpy(lo_scale(host_hi[need]).astype(_NUMPY_DTYPE[grid.dtype]).reshape(-1, 1))
         index = torch.from_numpy(need)
-        rows = grid.index_select(0, index)
-        rows.mul_(lo_scale(hi.index_select(0, index).view(-1, 1), *stats.scales))
+        rows = grid.index_select(0, index).mul_(scale)
         lo.index_copy_(0, index, torch.linalg.vector_norm(rows, dim=1))
     return False
+
+
+_NUMPY_DTYPE = {torch.float32: np.float32, torch.float64: np.float64}
+
+# The host's own passes, where they differ from a device's: sums of squares whose plain norms
+# the host reads (``squares``), and fresh buffers zeroed only where no copy writes
+# (reducer._gradient_pass). False: the CPU takes the device's passes
+# (benchmarks/overhead.py --ops --device-path counts on the CPU the operations a GPU runs).
+HOST_SHORTCUTS = True
+
+
+def host_path(t: torch.Tensor) -> bool:
+    return HOST_SHORTCUTS and t.device.type == "cpu"
 
 
 def lo_needed(hi: np.ndarray, entries: int) -> np.ndarray:
@@ -315,7 +329,7 @@ def lo_needed(hi: np.ndarray, entries: int) -> np.ndarray:
     ``squares_from_norms`` may take from the scaled norm: it takes ``hi^2`` where
     ``hi^2 >= numel 2^-100`` and ``hi < 2^60``, the same float64 comparison on the same
     values, and ``numel <= entries`` (a ``hi`` of 0 may be squares that underflowed)."""
-    return np.flatnonzero(~hi_usable(hi.astype(np.float64), entries))
+    return np.flatnonzero(~hi_usable(hi, entries))
 
 
 # bf16 keeps 8 significant bits: half a unit in the last place of w is 2^(floor(log2|w|) - 8).
@@ -380,9 +394,11 @@ def segment_moments(layout: Layout, rows: Dict[str, np.ndarray], prefix: str):
 
 def segment_nonzero_counts(layout: Layout, rows: Dict[str, np.ndarray], prefix: str):
     """Per segment: zero entries, and entries with |x| <= FP16_FLUSH (zeros included), from
-    ``COUNT_ROWS`` (the same per-block integers as ``segment_counts`` gives from levels)."""
+    ``COUNT_ROWS`` (the same per-block integers as ``segment_counts`` gives from levels; a
+    block's pads are zeros that its flushed count includes)."""
     real = layout.real
-    return layout.segment_sum(real - rows[prefix + "nonzero"]), layout.segment_sum(real - rows[prefix + "kept"])
+    pads = layout.block - real
+    return layout.segment_sum(real - rows[prefix + "nonzero"]), layout.segment_sum(rows[prefix + "flushed"] - pads)
 
 
 def segment_counts(layout: Layout, rows: Dict[str, np.ndarray], prefix: str):

@@ -12,10 +12,11 @@ import numpy as np
 import torch
 
 from gradrepro.probe.blocks import (
-    BLOCK,
     bf16_lost_,
+    host_path,
     level_sums_,
     moments_,
+    regrow_,
     release_,
     squares,
     zero_pads_,
@@ -25,14 +26,25 @@ from gradrepro.probe.columns import activation_columns, gradient_columns
 from gradrepro.probe.extras import optional_parts, step_residuals
 from gradrepro.probe.hooks import Hooks
 from gradrepro.probe.kernels import to_host
+from gradrepro.probe.states import FP16_FLUSH
 from gradrepro.probe.tensors import ProbedTensors
 
 
-def _gradient_pass(work, part, rows, targets: List[torch.Tensor], sources: List[torch.Tensor], carried) -> None:
+def _gradient_pass(work, part, rows, targets: List[torch.Tensor], sources: List[torch.Tensor],
+                   missing: List[torch.Tensor], carried) -> None:
     """The gradients' passes over one buffer (``work``: a window, or the whole layout), whose
     blocks ``part`` lays out: the level sums of |g|, then the moments of g, and, where the
-    gradient carried a previous step's in (``carried``), this step's own part's squares."""
-    work.flat.zero_()  # the pads, and the segments without a gradient
+    gradient carried a previous step's in (``carried``), this step's own part's squares.
+    ``missing``: the buffer's views of the segments without a gradient."""
+    # The pads and the segments without a gradient must read as zero. On the host, only they
+    # are zeroed: a pass fewer over memory that is usually just grown (fresh pages, each
+    # faulted in); on a device, one pass over the whole buffer is one operation.
+    if host_path(work.flat):
+        zero_pads_(work, part)
+        if missing:
+            torch._foreach_zero_(missing)
+    else:
+        work.flat.zero_()
     torch._foreach_copy_(targets, sources)
     work.flat.abs_()
     level_sums_(work.grid, rows, "g_", nan=False)
@@ -60,9 +72,9 @@ class Reducer:
         self.counted: Optional[np.ndarray] = None
         self.plain: Optional[np.ndarray] = None
         self.collective_device = torch.device("cpu")
-        # The output gradients' fp16-flush count: a float16 copy of a window, and its count row.
-        self._half: Optional[torch.Tensor] = None
-        self._half_views: Dict[int, tuple] = {}
+        # The output gradients' counts: a window's masks (act_grad_window).
+        self._scratch: Optional[torch.Tensor] = None
+        self._scratch_views: Dict[tuple, torch.Tensor] = {}
 
     def distribute(self, combiner, counted: np.ndarray, plain: np.ndarray, device: torch.device) -> None:
         """The statistics of the full tensors, from every process's part (probe/ranks.py)."""
@@ -75,43 +87,38 @@ class Reducer:
 
     def act_grad_window(self, work, window, rows) -> None:
         """The zero and fp16-flush counts, then the moments in place. Per block, the entries
-        that are not zero (a norm of order 0: NaN and inf count) and those a float16 copy keeps
-        non-zero (|x| > FP16_FLUSH = 2^-25, NaN and inf: rounding to nearest even takes exactly
-        the others to zero), through a float16 copy of the window (half its bytes, handed back
-        at once), so that the window itself stays as the moments need it. The copy's entries
-        are counted on their bits (sign cleared, then at most 1, summed as integers): a norm of
-        order 0 of float16 is ten times slower on CPU (benchmarks/README.md)."""
+        that are not zero (NaN and inf count) and those a float16 copy would hold as zero
+        (|x| <= FP16_FLUSH = 2^-25, the pads included: rounding to nearest even takes exactly
+        these to zero, and keeps NaN and inf), each a 0/1 mask written into a scratch window
+        (its memory handed back at once) and summed in float32 (exact: at most BLOCK per
+        row), so that the window itself stays as the moments need it. On a CPU a norm of
+        order 0 took ten times a mask and its sum (benchmarks/README.md)."""
         grid = work.grid
-        half, bits, kept = self._half_for(grid.shape[0], grid.device)
-        torch.linalg.vector_norm(grid, 0, dim=1, out=rows.row["nonzero"])
-        half.copy_(grid)
-        bits.bitwise_and_(0x7FFF).clamp_(max=1)  # 1 where any bit but the sign is set
-        torch.sum(bits, 1, out=kept)  # exact: at most BLOCK
-        rows.row["kept"].copy_(kept)
-        release_(half)
+        scratch = self._scratch_for(grid)
+        torch.ne(grid, 0, out=scratch)
+        torch.sum(scratch, 1, out=rows.row["nonzero"])
+        torch.abs(grid, out=scratch)
+        scratch.le_(FP16_FLUSH)  # NaN compares false: not flushed
+        torch.sum(scratch, 1, out=rows.row["flushed"])
+        release_(scratch)
         moments_(work, window, rows, "")
 
-    def _half_for(self, rows: int, device: torch.device):
-        """A ``rows x BLOCK`` float16 grid, the same bits as int16, and an int16 count row of
-        ``rows`` after it, in one buffer whose storage holds those alone (grown here, handed
-        back after each use)."""
-        need = rows * (BLOCK + 1)
-        if self._half is None or self._half.numel() < need or self._half.device != device:
-            self._half = torch.empty(need, dtype=torch.float16, device=device)
-            self._half_views = {}
-        storage = self._half.untyped_storage()
-        if storage.nbytes() < 2 * need:
-            storage.resize_(2 * need)
-        views = self._half_views.get(rows)
-        if views is None:
-            grid = self._half.narrow(0, 0, rows * BLOCK).view(rows, BLOCK)
-            views = self._half_views[rows] = (grid, grid.view(torch.int16),
-                                              self._half.narrow(0, rows * BLOCK, rows).view(torch.int16))
-        return views
+    def _scratch_for(self, grid: torch.Tensor) -> torch.Tensor:
+        """A buffer of ``grid``'s shape, dtype and device (grown here, handed back after each use)."""
+        need = grid.numel()
+        scratch = self._scratch
+        if scratch is None or scratch.numel() < need or scratch.device != grid.device or scratch.dtype != grid.dtype:
+            scratch = self._scratch = torch.empty(need, dtype=grid.dtype, device=grid.device)
+            self._scratch_views = {}
+        regrow_(scratch)
+        view = self._scratch_views.get(grid.shape)
+        if view is None:
+            view = self._scratch_views[grid.shape] = scratch.narrow(0, 0, need).view(grid.shape)
+        return view
 
     def release(self) -> None:
-        if self._half is not None:
-            release_(self._half)
+        if self._scratch is not None:
+            release_(self._scratch)
 
     # -- gradients (after backward, before the optimizer step) --------------------------------
     def collect(self, buffers: StepBuffers, summing: bool) -> dict:
@@ -146,7 +153,9 @@ class Reducer:
         stats, before, layout = buffers.stats, buffers.before, buffers.layout
         before.regrow()
         carried = buffers.carried if buffers.carrying else None
-        _gradient_pass(before, layout, stats, [before.views[i] for i in have], grads, carried)
+        got = set(have)
+        missing = [v for i, v in enumerate(before.views) if i not in got]
+        _gradient_pass(before, layout, stats, [before.views[i] for i in have], grads, missing, carried)
         return True
 
     def _gradient_windows(self, buffers: StepBuffers, have: List[int], grads: List[torch.Tensor]) -> None:
@@ -160,7 +169,9 @@ class Reducer:
             targets, sources = windows.pieces(part, grad_of)
             if not targets:  # no gradient in this window: its rows stay zero (never read)
                 continue
-            _gradient_pass(part.work, part, rows, targets, sources, carried[w] if carried is not None else None)
+            missing = [piece[3] for piece in part.pieces if piece[0] not in grad_of]
+            _gradient_pass(part.work, part, rows, targets, sources, missing,
+                           carried[w] if carried is not None else None)
 
     def _before_passes(self, buffers: StepBuffers, pads_zero: bool) -> None:
         """The parameters before the step: copied into ``buffers.before`` and their norms.
