@@ -55,7 +55,7 @@ class StepBuffers:
         self.carrying = False
         self.running: Optional[List[torch.Tensor]] = None
         window = lambda: self.window_blocks or SAMPLE_WINDOW_BLOCKS  # noqa: E731
-        self.acts = Stash(MOMENT_ROWS, reduce_acts, window)  # module outputs, first call of the step
+        self.acts = Stash(MOMENT_ROWS, reduce_acts, window, grow_at_once=True)  # module outputs, first call of the step
         # The output gradients' window is half the outputs': it is held through backward, where
         # the training's own memory is highest (benchmarks/README.md, memory).
         grad_window = lambda: self.window_blocks or SAMPLE_WINDOW_BLOCKS // 2  # noqa: E731

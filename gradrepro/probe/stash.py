@@ -70,8 +70,13 @@ class Stash:
     """Per module name, one float32 sample a hook saw this step, and a value beside it;
     reduced by ``reduce(work, window, rows)`` a window at a time."""
 
-    def __init__(self, rows, reduce: Reduce, window_blocks: Callable[[], int]) -> None:
+    def __init__(self, rows, reduce: Reduce, window_blocks: Callable[[], int], grow_at_once: bool = False) -> None:
         self.rows = rows  # the per-block statistics the probe reduces this stash to
+        # True: a window whose size the last step gave grows to it with its first sample, not by
+        # doubling (each doubling copies what the window holds): for samples taken where the
+        # training's memory is still growing toward its peak anyway (the forward pass).
+        self._grow_at_once = grow_at_once
+        self._known = False  # the open window's size is the last step's
         self._reduce = reduce
         self._window_blocks = window_blocks
         self.layout: Optional[Layout] = None  # the settled step's, for the host's sums
@@ -213,7 +218,7 @@ class Stash:
         storage = self._buffer.untyped_storage()
         need, have = entries * self._buffer.element_size(), storage.nbytes()
         if have < need:
-            storage.resize_(max(need, min(self._cap, 2 * have)))
+            storage.resize_(max(need, self._cap if self._grow_at_once and self._known else min(self._cap, 2 * have)))
             advise_huge_pages(storage)  # fresh memory (probe/pages.py)
 
     def _base(self, entries: int) -> torch.Tensor:
@@ -258,6 +263,7 @@ class Stash:
         release_(self._buffer)
         self._open = w
         known = self._windows.get(w)
+        self._known = known is not None
         rows = len(known.real) if known is not None else self._window_size
         self._cap = rows * BLOCK * self._buffer.element_size()
 
