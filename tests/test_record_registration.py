@@ -233,3 +233,60 @@ def test_a_dropout_that_drops_all_and_an_inverted_norm_momentum_are_found(tmp_pa
     model.add_module("out", nn.Linear(16, 3))
     found = _train(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.05))
     assert found == expected
+
+
+def _pulled_toward_slow_weights(model, alpha: float, period: int):
+    """Lookahead's sync (Zhang et al. 2019, Alg. 1) every ``period`` steps: the slow weights move
+    ``alpha`` of the way to the fast ones, and the fast weights are reset to them."""
+    slow = [p.detach().clone() for p in model.parameters()]
+    count = [0]
+
+    def after():
+        count[0] += 1
+        if count[0] % period == 0:
+            with torch.no_grad():
+                for s, p in zip(slow, model.parameters()):
+                    s.add_(p - s, alpha=alpha)
+                    p.copy_(s)
+    return after
+
+
+def _ema_swapped_in(model, decay: float, period: int):
+    """An exponential moving average kept every step and loaded into the model every ``period``
+    steps, never swapped back: the weights the optimizer made are lost."""
+    ema = [p.detach().clone() for p in model.parameters()]
+    count = [0]
+
+    def after():
+        count[0] += 1
+        with torch.no_grad():
+            for e, p in zip(ema, model.parameters()):
+                e.mul_(decay).add_(p, alpha=1 - decay)
+            if count[0] % period == 0:
+                for e, p in zip(ema, model.parameters()):
+                    p.copy_(e)
+    return after
+
+
+@pytest.mark.parametrize("alpha,period", [(0.5, 3), (0.8, 2), (0.1, 3)])
+def test_a_pull_toward_slow_weights_is_told_from_a_copy_loaded(tmp_path, alpha, period):
+    """Lookahead (alpha 0.5 and 0.8, the paper's values) and a Reptile-sized outer step (0.1): the
+    weights land on the segment back toward their last synced values, every sampled entry by
+    the same fraction: information, not the warning a copy loaded gets."""
+    model = Stack(True)
+    found = _train(tmp_path, model, torch.optim.Adam(model.parameters(), lr=1e-2), steps=7,
+                   after=_pulled_toward_slow_weights(model, alpha, period))
+    assert ("interpolated_between_steps", "info") in {(k, s) for k, _, s in found}
+    assert not any(k == "changed_between_steps" for k, _, _ in found)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adam"])
+def test_an_ema_loaded_every_few_steps_is_still_a_copy_loaded(tmp_path, opt_name):
+    """An EMA (decay 0.9) loaded every 3 steps: the average of a curved path is not on the segment
+    toward the last synced weights, so it stays ``changed_between_steps`` (a warning)."""
+    model = Stack(True)
+    opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if opt_name == "sgd_momentum"
+           else torch.optim.Adam(model.parameters(), lr=1e-2))
+    found = _train(tmp_path, model, opt, steps=7, after=_ema_swapped_in(model, 0.9, 3))
+    assert any(k == "changed_between_steps" and s == "warning" for k, _, s in found)
+    assert not any(k == "interpolated_between_steps" for k, _, _ in found)

@@ -47,8 +47,11 @@ Hit = tuple[str, str, str, dict]  # kind, name, detail, evidence (as checks.Hit)
 
 KINDS: dict[str, str] = {"changed_between_steps": WARNING, "frozen_moved": WARNING,
                          "grad_reset_in_step": WARNING, "recorder_error": WARNING, "projected_between_steps": INFO,
-                         "changed_without_step": WARNING}
+                         "interpolated_between_steps": INFO, "changed_without_step": WARNING}
 NEXT_CHECK: dict[str, str] = {
+    "interpolated_between_steps": "nothing, if the loop pulls the weights toward a slow copy on purpose (Lookahead, "
+    "Reptile's or local SGD's outer step); otherwise find what writes them between steps; "
+    "silence='interpolated_between_steps' hides it",
     "changed_without_step": "give record() the optimizer that steps, built once before the loop (an optimizer made "
     "anew every batch also loses its state: Adam's moments, momentum); a list if several step",
     "projected_between_steps": "nothing, if the constraint is on purpose (WGAN's weight clipping, a non-negativity "
@@ -86,6 +89,13 @@ def _flat(p: torch.Tensor) -> Optional[torch.Tensor]:
             continue
     return None
 
+
+# Fingerprints.interpolation: the tolerance in epsilons of |anchor| + |before| + |after| (three
+# roundings of the pull and the fitted alpha's, with a factor of four to spare), the sampled
+# entries that must have moved, and the open range of alpha (1 is the anchor loaded itself).
+INTERPOLATION_ULPS = 8.0
+INTERPOLATION_MIN_ENTRIES = 4
+INTERPOLATION_ALPHA = (2.0**-10, 1.0 - 2.0**-10)
 
 # A slice that ``torch.renorm`` scaled down has the ball's radius as its norm up to the float32
 # rounding of its norm and scale (about sqrt(n) x 6e-8 for n entries, 6e-6 at 10^4) and renorm's
@@ -190,6 +200,37 @@ class Fingerprints:
                     out.add(i)
         return out
 
+    def interpolation(self, anchor: Optional[torch.Tensor], before: torch.Tensor, after: torch.Tensor,
+                      changed: Sequence[int]) -> Optional[float]:
+        """The one ``alpha`` with ``after = before + alpha (anchor - before)`` on every sampled entry
+        of the tensors ``changed`` between two samples, where ``anchor`` is the sample after the
+        last change between steps (or the first): the weights pulled part of the way back toward
+        an earlier copy of themselves, as Lookahead's sync to its slow weights (Zhang et al. 2019),
+        Reptile's outer step (Nichol et al. 2018) or local SGD's average do. None where no such
+        ``alpha`` in (0, 1) fits: a copy loaded (an EMA or averaged model, a checkpoint: not on
+        that segment, or the anchor itself, alpha 1), a re-initialisation, a rescaling.
+
+        Each sampled entry must fit within ``INTERPOLATION_ULPS`` units of its dtype's epsilon
+        times ``|anchor| + |before| + |after|``: the pull computed in the weights' dtype rounds at
+        most three times (the difference, the scaled step, the sum), each within half an epsilon
+        of its result, and the least-squares ``alpha`` adds as much again; at least
+        ``INTERPOLATION_MIN_ENTRIES`` sampled entries must have moved, so that ``alpha`` is
+        over-determined."""
+        if anchor is None or not changed or anchor.shape != before.shape or not self.dtype.is_floating_point:
+            return None
+        idx = np.concatenate([np.arange(self.bounds[i], self.bounds[i + 1]) for i in changed])
+        index = torch.from_numpy(idx).to(before.device)
+        s, b, a = (t.view(self.dtype).index_select(0, index).double() for t in (anchor, before, after))
+        d, c = s - b, a - b
+        dd = float((d * d).sum())
+        if not (dd > 0 and int((c != 0).sum()) >= INTERPOLATION_MIN_ENTRIES):
+            return None
+        alpha = float((c * d).sum()) / dd
+        if not INTERPOLATION_ALPHA[0] < alpha < INTERPOLATION_ALPHA[1]:
+            return None
+        tol = INTERPOLATION_ULPS * torch.finfo(self.dtype).eps * (s.abs() + b.abs() + a.abs())
+        return alpha if bool(((c - alpha * d).abs() <= tol).all()) else None
+
     @staticmethod
     def differ(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Entry by entry, where two samples differ (a device tensor; None when not comparable)."""
@@ -219,8 +260,10 @@ class StepInvariants:
         self.optimizer = optimizer
         self.eager = bool(params) and params[0].device.type == "cpu"
         self._after: Optional[torch.Tensor] = None  # the fingerprint after the last step
+        self._anchor: Optional[torch.Tensor] = None  # at the first step, then after each change between steps
         self._before: Optional[torch.Tensor] = None  # at this step's optimizer.step(), before it
-        self._pending: list[tuple[int, str, torch.Tensor, set]] = []  # (step, where, mask, clamped tensors)
+        # (step, where, mask, tensors projected, the pull toward the anchor: (tensors, alpha) or None)
+        self._pending: list[tuple[int, str, torch.Tensor, set, Optional[tuple]]] = []
         self._extra: list[tuple[int, Hit]] = []  # found whole (changed_without_step)
         self._last_forward: Optional[torch.Tensor] = None  # the fingerprint at the step's last forward pass
         self._passes, self._changed = 0, None  # forward passes in this step; of them, after a change
@@ -286,13 +329,23 @@ class StepInvariants:
     def step_begins(self, step: int) -> None:
         self._passes, self._changed = 1, None
         now = self._last_forward = self.prints.sample()
+        if self._anchor is None:
+            self._anchor = now
         if self._after is not None:
             mask = self._differ(self._after, now)
             if mask is not None:
-                # On the host the change is read at once, so a clamp can be told from an edit while the
-                # tensors are as it left them (on an accelerator the mask is read at a later logged step).
-                clamped = self.prints.projected(self._after, now, self.prints.changes(mask)) if self.eager else set()
-                self._pending.append((step, "between", mask, clamped))
+                # On the host the change is read at once, so a clamp or a pull toward the anchor can be
+                # told from an edit while the tensors are as it left them (on an accelerator the mask is
+                # read at a later logged step).
+                clamped, pulled = set(), None
+                if self.eager:
+                    changed = self.prints.changes(mask)
+                    clamped = self.prints.projected(self._after, now, changed)
+                    rest = [i for i in changed if i not in clamped]
+                    alpha = self.prints.interpolation(self._anchor, self._after, now, rest)
+                    pulled = (rest, alpha) if alpha is not None else None
+                self._pending.append((step, "between", mask, clamped, pulled))
+                self._anchor = now
             self._after = None
 
     def before_step(self) -> None:
@@ -304,7 +357,7 @@ class StepInvariants:
         if self._before is not None:
             mask = self._differ(self._before, self._after)
             if mask is not None and mask.shape == self._frozen_mask.shape:
-                self._pending.append((step, "during", mask & self._frozen_mask, set()))
+                self._pending.append((step, "during", mask & self._frozen_mask, set(), None))
         self._before = None
 
     def hits(self, logged: bool) -> list[tuple[int, Hit]]:
@@ -315,9 +368,11 @@ class StepInvariants:
             return found
         pending, self._pending = self._pending, []
         frozen = set(self._frozen)
-        for step, where, mask, clamped in pending:
+        for step, where, mask, clamped, pulled in pending:
             changed = [i for i in self.prints.changes(mask) if i not in clamped]
-            if changed:
+            if pulled is not None and not frozen.intersection(pulled[0]):
+                found.append((step, self._interpolated(pulled[0], pulled[1])))
+            elif changed:
                 found += [(step, h) for h in self._describe(step, where, changed, frozen)]
             if clamped:
                 found.append((step, self._projected(sorted(clamped))))
@@ -331,6 +386,15 @@ class StepInvariants:
             f"this step's forward pass ({shown}): every sampled entry that changed moved onto the tensor's bound (a "
             "clamp: WGAN's weight clipping, a non-negativity constraint) or shrank with its slice onto the largest "
             "slice norm (a max-norm constraint, torch.renorm)"), {"tensors_projected": len(projected)})
+
+    def _interpolated(self, pulled: list[int], alpha: float) -> Hit:
+        names = self.prints.names
+        shown = ", ".join(names[i] for i in pulled[:6]) + (" ..." if len(pulled) > 6 else "")
+        return ("interpolated_between_steps", names[pulled[0]], (
+            f"{len(pulled)} tensor(s) moved between the last optimizer.step() and this step's forward pass ({shown}) "
+            f"onto the segment toward their values after the previous such change (or the first step), a fraction "
+            f"{alpha:.4g} of the way, every sampled entry alike: a pull toward a slow copy (Lookahead, Reptile's or "
+            "local SGD's outer step), not a copy loaded"), {"tensors_pulled": len(pulled), "alpha": alpha})
 
     def _describe(self, step: int, where: str, changed: list[int], frozen: set) -> list[Hit]:
         names = self.prints.names
