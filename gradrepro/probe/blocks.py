@@ -35,7 +35,6 @@ from gradrepro.probe.kernels import (
     lo_scale,
     squares_from_norms,
 )
-from gradrepro.probe.pages import advise_huge_pages
 
 BLOCK = 2048
 
@@ -150,7 +149,6 @@ def regrow_(t: torch.Tensor) -> None:
     need = (t.storage_offset() + t.numel()) * t.element_size()
     if storage.nbytes() < need:
         storage.resize_(need)
-        advise_huge_pages(storage)  # fresh memory: faulted 2 MiB at a time, not 4 KiB
 
 
 def pad_index(real: np.ndarray, partial: np.ndarray, block: int, device: torch.device,

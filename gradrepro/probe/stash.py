@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from gradrepro.probe.blocks import BLOCK, Layout, Rows, StatRows, Stats, pad_index, regrow_, release_, zero_pads_
-from gradrepro.probe.pages import advise_huge_pages
 
 Reduce = Callable[[Rows, object, StatRows], None]
 
@@ -219,7 +218,6 @@ class Stash:
         need, have = entries * self._buffer.element_size(), storage.nbytes()
         if have < need:
             storage.resize_(max(need, self._cap if self._grow_at_once and self._known else min(self._cap, 2 * have)))
-            advise_huge_pages(storage)  # fresh memory (probe/pages.py)
 
     def _base(self, entries: int) -> torch.Tensor:
         """The buffer as a tensor of at least ``entries``, to make views of (a view is checked
