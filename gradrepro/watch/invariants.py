@@ -6,7 +6,10 @@ contradiction is reported at once, with the tensors and the likely cause:
   next training forward pass. Checked on every step from a fingerprint of each tensor (a few
   fixed entries, read bit for bit with one ``torch.cat``; no copy of the model): an averaged or
   EMA copy swapped in for evaluation and never swapped back, weights folded or normalised in
-  place by an evaluation or export helper, a shallow copy edited in place.
+  place by an evaluation or export helper, a shallow copy edited in place. Two changes made on
+  purpose are told apart on the host and said at info: a projection onto a constraint
+  (``projected_between_steps``: WGAN's clipping, a max-norm) and a pull part of the way back
+  toward the last synced weights (``interpolated_between_steps``: Lookahead, Reptile).
 - ``frozen_moved``: a tensor that does not train (``requires_grad=False``, or in no param
   group) keeps its value, across the step and between steps: momentum or weight decay applied
   to a frozen tensor whose ``.grad`` is a zero tensor, a hand-written decay over every parameter.
@@ -91,8 +94,9 @@ def _flat(p: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 # Fingerprints.interpolation: the tolerance in epsilons of |anchor| + |before| + |after| (three
-# roundings of the pull and the fitted alpha's, with a factor of four to spare), the sampled
-# entries that must have moved, and the open range of alpha (1 is the anchor loaded itself).
+# roundings of the pull, half an epsilon each, and as much again for the fitted alpha: 3; 8 leaves
+# more than twice that), the sampled entries that must have moved, and the open range of alpha
+# (1 is the anchor loaded itself).
 INTERPOLATION_ULPS = 8.0
 INTERPOLATION_MIN_ENTRIES = 4
 INTERPOLATION_ALPHA = (2.0**-10, 1.0 - 2.0**-10)
