@@ -1,6 +1,6 @@
 """The silent-error benchmark's score, by one command:
 
-    python benchmarks/silent_errors/score.py [--set benchmark|heldout|heldout2|heldout3|heldout4]
+    python benchmarks/silent_errors/score.py [--set benchmark|heldout|heldout2|...|heldout5]
                                              [--half design|scored|all]
                                              [--cases NAME ...] [--healthy NAME ...] [--no-overhead]
                                              [--json out.json]
@@ -12,7 +12,8 @@ false positive). ``--set heldout`` scores the held-out set instead (cases_heldou
 healthy_heldout.py: written blind, not split in halves) with the same columns; ``--set heldout2``
 the second held-out set (cases_heldout2.py, healthy_heldout2.py, written blind the same way);
 ``--set heldout3`` the third (cases_heldout3.py, healthy_heldout3.py, written blind the same way);
-``--set heldout4`` the fourth (cases_heldout4.py, healthy_heldout4.py, written blind the same way). Then the cost
+``--set heldout4`` and ``--set heldout5`` the fourth and the fifth (cases_heldoutN.py, healthy_heldoutN.py,
+written blind the same way). Then the cost
 of live checking against the bare loop and against recording without live checks (CPU time of
 the training thread, interleaved rounds, medians).
 """
@@ -20,6 +21,7 @@ the training thread, interleaved rounds, medians).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -42,32 +44,16 @@ def first_logged_at_or_after(step: int, every: int = EVERY) -> int:
     return -(-step // every) * every
 
 
-SETS = ("benchmark", "heldout", "heldout2", "heldout3", "heldout4")
+SETS = ("benchmark", "heldout", "heldout2", "heldout3", "heldout4", "heldout5")
 
 
 def registries(which: str) -> tuple[dict, dict, dict]:
-    """The cases, their causes' kinds and the healthy loops of the set ``which``."""
-    if which == "heldout":
-        from cases_heldout import CASES as cases
-        from cases_heldout import CAUSES as causes
-        from healthy_heldout import HEALTHY as healthy
-        return cases, causes, healthy
-    if which == "heldout2":
-        from cases_heldout2 import CASES as cases
-        from cases_heldout2 import CAUSES as causes
-        from healthy_heldout2 import HEALTHY as healthy
-        return cases, causes, healthy
-    if which == "heldout3":
-        from cases_heldout3 import CASES as cases
-        from cases_heldout3 import CAUSES as causes
-        from healthy_heldout3 import HEALTHY as healthy
-        return cases, causes, healthy
-    if which == "heldout4":
-        from cases_heldout4 import CASES as cases
-        from cases_heldout4 import CAUSES as causes
-        from healthy_heldout4 import HEALTHY as healthy
-        return cases, causes, healthy
-    return CASES, CAUSES, HEALTHY
+    """The cases, their causes' kinds and the healthy loops of the set ``which``: the benchmark's
+    (cases.py, healthy.py), or a held-out set's (cases_WHICH.py, healthy_WHICH.py)."""
+    if which == "benchmark":
+        return CASES, CAUSES, HEALTHY
+    cases, healthy = importlib.import_module(f"cases_{which}"), importlib.import_module(f"healthy_{which}")
+    return cases.CASES, cases.CAUSES, healthy.HEALTHY
 
 
 def score_case(name: str, cases: dict | None = None, causes: dict | None = None, group: str | None = None) -> dict:
@@ -121,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", choices=SETS, default="benchmark",
                     help="the benchmark (cases.py, healthy.py; default), the held-out set (cases_heldout.py, "
                          "healthy_heldout.py), the second held-out set (cases_heldout2.py, healthy_heldout2.py), "
-                         "the third (cases_heldout3.py, healthy_heldout3.py) or the fourth (cases_heldout4.py, "
-                         "healthy_heldout4.py)")
+                         "the third, fourth or fifth (cases_heldoutN.py, healthy_heldoutN.py)")
     ap.add_argument("--half", choices=HALVES + ("all",), default="all",
                     help="the design half, the scored half (split.py), or all (default)")
     ap.add_argument("--cases", nargs="*", default=None, help="case names of the chosen set (default: all)")
