@@ -121,6 +121,62 @@ def test_a_frozen_tensor_without_a_gradient_stays_and_is_silent(tmp_path):
     assert found == set()
 
 
+class _WithTarget(nn.Module):
+    """An online network and, inside the same module, a frozen target copy of it (BYOL's and
+    MoCo's key encoder, a mean teacher, DQN's target network); only the online part trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.online = _mlp()
+        self.target = copy.deepcopy(self.online).requires_grad_(False)
+
+    def forward(self, x):
+        return self.online(x) + 0.0 * self.target(x).detach()
+
+
+def _target_loop(tmp_path, update):
+    model = _WithTarget()
+    opt = torch.optim.SGD(model.online.parameters(), lr=0.1, momentum=0.9)
+
+    def each(step):
+        if step:
+            with torch.no_grad():
+                update(step, list(model.target.parameters()), list(model.online.parameters()))
+    return _train(tmp_path, model, opt, each=each)
+
+
+@pytest.mark.parametrize("update", ["polyak_0.99", "polyak_0.996_mul_add", "copy_every_4"])
+def test_a_target_network_kept_from_the_trained_one_is_information(tmp_path, update):
+    """Frozen tensors moved between steps onto the segment toward the trained tensors of the same
+    shape: Polyak averaging (BYOL's tau 0.99 and 0.996, written as lerp_ and as mul_/add_) or a
+    copy every 4 steps (DQN): ``target_network_update`` at info, no ``frozen_moved`` warning."""
+    def step_of(step, target, online):
+        for t, o in zip(target, online):
+            if update == "polyak_0.99":
+                t.lerp_(o, 0.01)
+            elif update == "polyak_0.996_mul_add":
+                t.mul_(0.996).add_(o, alpha=0.004)
+            elif step % 4 == 0:
+                t.copy_(o)
+    rec, found, _ = _target_loop(tmp_path, step_of)
+    kinds = {k for k, _ in found}
+    assert kinds == {"target_network_update"}
+    first = next(f for f in rec.watch.found if f.kind == "target_network_update")
+    assert first.severity == "info" and first.evidence["tensors_moved"] == 4
+    expected = {"polyak_0.99": 0.01, "polyak_0.996_mul_add": 0.004, "copy_every_4": 1.0}[update]
+    assert first.evidence["alpha_min"] == pytest.approx(expected, rel=1e-3)
+
+
+def test_a_frozen_target_decayed_by_hand_is_still_frozen_moved(tmp_path):
+    """The same frozen copy shrunk by a hand-written decay (p *= 1 - lr * wd over every tensor):
+    not toward a trained tensor, so the warning stays."""
+    def decay(step, target, online):
+        for t in target:
+            t.mul_(1 - 0.1 * 0.05)
+    _, found, _ = _target_loop(tmp_path, decay)
+    assert {k for k, _ in found} == {"frozen_moved"}
+
+
 def test_gradients_reset_between_micro_batches_are_found(tmp_path):
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -13,6 +13,10 @@ contradiction is reported at once, with the tensors and the likely cause:
 - ``frozen_moved``: a tensor that does not train (``requires_grad=False``, or in no param
   group) keeps its value, across the step and between steps: momentum or weight decay applied
   to a frozen tensor whose ``.grad`` is a zero tensor, a hand-written decay over every parameter.
+  One change of frozen tensors between steps is told apart on the host and said at info: each
+  moved onto the segment toward a trainable tensor of the same shape (``target_network_update``:
+  a momentum target or teacher held in the recorded module, BYOL's or MoCo's, or a target
+  network's periodic copy, DQN's).
 - ``grad_reset_in_step``: the step consumes what the backward passes since the last step
   produced. A backward that started from a reset gradient, whose gradient was reset again
   before the next backward of the same step while the weights stayed as they were, was
@@ -50,8 +54,11 @@ Hit = tuple[str, str, str, dict]  # kind, name, detail, evidence (as checks.Hit)
 
 KINDS: dict[str, str] = {"changed_between_steps": WARNING, "frozen_moved": WARNING,
                          "grad_reset_in_step": WARNING, "recorder_error": WARNING, "projected_between_steps": INFO,
-                         "interpolated_between_steps": INFO, "changed_without_step": WARNING}
+                         "interpolated_between_steps": INFO, "target_network_update": INFO,
+                         "changed_without_step": WARNING}
 NEXT_CHECK: dict[str, str] = {
+    "target_network_update": "nothing, if the frozen tensors are a target or teacher network kept as a moving average "
+    "or a periodic copy of the trained one (BYOL, MoCo, mean teacher, DQN); silence='target_network_update' hides it",
     "interpolated_between_steps": "nothing, if the loop pulls the weights toward a slow copy on purpose (Lookahead, "
     "Reptile's or local SGD's outer step); otherwise find what writes them between steps; "
     "silence='interpolated_between_steps' hides it",
@@ -235,6 +242,44 @@ class Fingerprints:
         tol = INTERPOLATION_ULPS * torch.finfo(self.dtype).eps * (s.abs() + b.abs() + a.abs())
         return alpha if bool(((c - alpha * d).abs() <= tol).all()) else None
 
+    def toward(self, before: torch.Tensor, after: torch.Tensor, moved: Sequence[int],
+               trained: Sequence[int]) -> Optional[tuple[list[int], list[float]]]:
+        """Whether every tensor of ``moved`` (frozen tensors that changed between two samples) moved
+        onto the segment toward a tensor of ``trained`` with as many entries, as it is now: ``after
+        = before + alpha (x - before)`` on every sampled entry, 0 < alpha <= 1, within the rounding
+        ``interpolation`` allows (the same entries are sampled from tensors of one size, so the
+        samples pair up). A momentum target's update (Polyak averaging: BYOL, MoCo, a mean
+        teacher) or a copy of the trained tensor (alpha 1: DQN's target network). The tensors and
+        their alphas; None unless every moved tensor has such a partner."""
+        if not moved or not trained or not self.dtype.is_floating_point:
+            return None
+        b, a = before.view(self.dtype).double().cpu().numpy(), after.view(self.dtype).double().cpu().numpy()
+        sizes = np.diff(self.bounds)
+        numel = [p.numel() for p in self.params]
+        eps = float(torch.finfo(self.dtype).eps)
+        alphas = []
+        for i in moved:
+            lo, hi = self.bounds[i], self.bounds[i + 1]
+            was, now = b[lo:hi], a[lo:hi]
+            fit = None
+            for j in trained:
+                if numel[j] != numel[i] or sizes[j] != sizes[i] or self.params[j].dtype != self.params[i].dtype:
+                    continue
+                x = a[self.bounds[j]:self.bounds[j + 1]]
+                d, c = x - was, now - was
+                dd = float(d @ d)
+                if not dd > 0:
+                    continue
+                alpha = float(c @ d) / dd
+                tol = INTERPOLATION_ULPS * eps * (np.abs(x) + np.abs(was) + np.abs(now))
+                if 0.0 < alpha <= 1.0 + INTERPOLATION_ULPS * eps and bool((np.abs(c - alpha * d) <= tol).all()):
+                    fit = min(alpha, 1.0)
+                    break
+            if fit is None:
+                return None
+            alphas.append(fit)
+        return list(moved), alphas
+
     @staticmethod
     def differ(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Entry by entry, where two samples differ (a device tensor; None when not comparable)."""
@@ -267,7 +312,9 @@ class StepInvariants:
         self._anchor: Optional[torch.Tensor] = None  # at the first step, then after each change between steps
         self._before: Optional[torch.Tensor] = None  # at this step's optimizer.step(), before it
         # (step, where, mask, tensors projected, the pull toward the anchor: (tensors, alpha) or None)
-        self._pending: list[tuple[int, str, torch.Tensor, set, Optional[tuple]]] = []
+        # (step, where, mask, tensors projected, the pull toward the anchor: (tensors, alpha) or None,
+        # frozen tensors moved toward trainable ones: (tensors, alphas) or None)
+        self._pending: list[tuple[int, str, torch.Tensor, set, Optional[tuple], Optional[tuple]]] = []
         self._extra: list[tuple[int, Hit]] = []  # found whole (changed_without_step)
         self._last_forward: Optional[torch.Tensor] = None  # the fingerprint at the step's last forward pass
         self._passes, self._changed = 0, None  # forward passes in this step; of them, after a change
@@ -341,14 +388,19 @@ class StepInvariants:
                 # On the host the change is read at once, so a clamp or a pull toward the anchor can be
                 # told from an edit while the tensors are as it left them (on an accelerator the mask is
                 # read at a later logged step).
-                clamped, pulled = set(), None
+                clamped, pulled, synced = set(), None, None
                 if self.eager:
                     changed = self.prints.changes(mask)
+                    frozen = set(self._frozen)
+                    trained = [i for i in range(len(self.prints.params)) if i not in frozen]
+                    synced = self.prints.toward(self._after, now, [i for i in changed if i in frozen], trained)
+                    if synced is not None:
+                        changed = [i for i in changed if i not in frozen]
                     clamped = self.prints.projected(self._after, now, changed)
                     rest = [i for i in changed if i not in clamped]
                     alpha = self.prints.interpolation(self._anchor, self._after, now, rest)
                     pulled = (rest, alpha) if alpha is not None else None
-                self._pending.append((step, "between", mask, clamped, pulled))
+                self._pending.append((step, "between", mask, clamped, pulled, synced))
                 self._anchor = now
             self._after = None
 
@@ -361,7 +413,7 @@ class StepInvariants:
         if self._before is not None:
             mask = self._differ(self._before, self._after)
             if mask is not None and mask.shape == self._frozen_mask.shape:
-                self._pending.append((step, "during", mask & self._frozen_mask, set(), None))
+                self._pending.append((step, "during", mask & self._frozen_mask, set(), None, None))
         self._before = None
 
     def hits(self, logged: bool) -> list[tuple[int, Hit]]:
@@ -372,8 +424,12 @@ class StepInvariants:
             return found
         pending, self._pending = self._pending, []
         frozen = set(self._frozen)
-        for step, where, mask, clamped, pulled in pending:
-            changed = [i for i in self.prints.changes(mask) if i not in clamped]
+        for step, where, mask, clamped, pulled, synced in pending:
+            explained = set(clamped)
+            if synced is not None:
+                found.append((step, self._target_update(*synced)))
+                explained.update(synced[0])
+            changed = [i for i in self.prints.changes(mask) if i not in explained]
             if pulled is not None and not frozen.intersection(pulled[0]):
                 found.append((step, self._interpolated(pulled[0], pulled[1])))
             elif changed:
@@ -399,6 +455,18 @@ class StepInvariants:
             f"onto the segment toward their values after the previous such change (or the first step), a fraction "
             f"{alpha:.4g} of the way, every sampled entry alike: a pull toward a slow copy (Lookahead, Reptile's or "
             "local SGD's outer step), not a copy loaded"), {"tensors_pulled": len(pulled), "alpha": alpha})
+
+    def _target_update(self, moved: list[int], alphas: list[float]) -> Hit:
+        names = self.prints.names
+        shown = ", ".join(names[i] for i in moved[:6]) + (" ..." if len(moved) > 6 else "")
+        low, high = min(alphas), max(alphas)
+        part = f"{low:.4g}" if high - low <= 1e-3 * high else f"{low:.4g} to {high:.4g}"
+        return ("target_network_update", names[moved[0]], (
+            f"{len(moved)} tensor(s) that do not train moved between the last optimizer.step() and this step's forward "
+            f"pass ({shown}), each onto the segment toward a trainable tensor of the same shape, a fraction {part} of "
+            "the way (1: a copy): a target or teacher network kept as a moving average of the trained one (BYOL, "
+            "MoCo, mean teacher) or copied from it now and then (DQN's target network)"),
+            {"tensors_moved": len(moved), "alpha_min": low, "alpha_max": high})
 
     def _describe(self, step: int, where: str, changed: list[int], frozen: set) -> list[Hit]:
         names = self.prints.names
