@@ -478,3 +478,48 @@ def test_every_option_is_documented_under_args():
     documented = {line.strip().split(":", 1)[0] for line in args.splitlines() if line.startswith(" " * 8 + "")
                   and not line.startswith(" " * 12) and ":" in line}
     assert documented == {f.name for f in dataclasses.fields(RecordOptions)}
+
+
+class _LookedUpFrozen(nn.Module):
+    """A frozen embedding table (pretrained vectors) with ``max_norm``, and a trained head."""
+
+    def __init__(self, max_norm) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = nn.Embedding(20, 6, max_norm=max_norm)
+        with torch.no_grad():
+            self.table.weight.mul_(3.0)  # rows above the max norm
+        self.table.weight.requires_grad_(False)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.table((x.abs() * 3).long().clamp(max=19)).mean(1))
+
+
+@pytest.mark.parametrize("max_norm", [1.0, None])
+def test_a_frozen_table_renormalised_in_the_forward_pass_is_found(tmp_path, max_norm):
+    """``nn.Embedding(max_norm=...)`` renormalises the rows it looks up in place during the forward
+    pass, frozen or not: ``frozen_moved`` inside the step; without ``max_norm`` nothing."""
+    model = _LookedUpFrozen(max_norm)
+    opt = torch.optim.Adam(model.head.parameters(), lr=1e-2)
+    rec, found, _ = _train(tmp_path, model, opt)
+    if max_norm is None:
+        assert found == set()
+    else:
+        assert ("frozen_moved", 0) in found
+        finding = next(f for f in rec.watch.found if f.kind == "frozen_moved")
+        assert finding.name == "table.weight" and "inside the step" in finding.detail
+
+
+def test_a_momentum_encoder_updated_in_the_forward_pass_is_information(tmp_path):
+    """MoCo's key encoder, updated by momentum inside ``forward`` (He et al. 2020, m = 0.999):
+    ``target_network_update`` inside the step, no warning."""
+    class MoCoLike(_WithTarget):
+        def forward(self, x):
+            with torch.no_grad():
+                for t, o in zip(self.target.parameters(), self.online.parameters()):
+                    t.mul_(0.999).add_(o, alpha=0.001)
+            return super().forward(x)
+    model = MoCoLike()
+    rec, found, _ = _train(tmp_path, model, torch.optim.SGD(model.online.parameters(), lr=0.1, momentum=0.9))
+    assert {k for k, _ in found} == {"target_network_update"}

@@ -11,9 +11,11 @@ contradiction is reported at once, with the tensors and the likely cause:
   (``projected_between_steps``: WGAN's clipping, a max-norm) and a pull part of the way back
   toward the last synced weights (``interpolated_between_steps``: Lookahead, Reptile).
 - ``frozen_moved``: a tensor that does not train (``requires_grad=False``, or in no param
-  group) keeps its value, across the step and between steps: momentum or weight decay applied
-  to a frozen tensor whose ``.grad`` is a zero tensor, a hand-written decay over every parameter.
-  One change of frozen tensors between steps is told apart on the host and said at info: each
+  group) keeps its value, across the optimizer's step, inside the step (from its first forward
+  pass to the optimizer's step) and between steps: momentum or weight decay applied to a frozen
+  tensor whose ``.grad`` is a zero tensor, a hand-written decay over every parameter,
+  ``nn.Embedding(max_norm=...)`` renormalising a frozen table in its forward pass.
+  One change of frozen tensors is told apart on the host and said at info: each
   moved onto the segment toward a trainable tensor of the same shape (``target_network_update``:
   a momentum target or teacher held in the recorded module, BYOL's or MoCo's, or a target
   network's periodic copy, DQN's).
@@ -39,6 +41,7 @@ step (no host wait on unlogged steps).
 from __future__ import annotations
 
 import inspect
+import math
 import re
 import weakref
 from typing import Optional, Sequence
@@ -250,7 +253,8 @@ class Fingerprints:
         ``interpolation`` allows (the same entries are sampled from tensors of one size, so the
         samples pair up). A momentum target's update (Polyak averaging: BYOL, MoCo, a mean
         teacher) or a copy of the trained tensor (alpha 1: DQN's target network). The tensors and
-        their alphas; None unless every moved tensor has such a partner."""
+        their alphas (NaN where the two were equal, so that the average only rounds); None unless
+        every moved tensor has such a partner."""
         if not moved or not trained or not self.dtype.is_floating_point:
             return None
         b, a = before.view(self.dtype).double().cpu().numpy(), after.view(self.dtype).double().cpu().numpy()
@@ -267,11 +271,14 @@ class Fingerprints:
                     continue
                 x = a[self.bounds[j]:self.bounds[j + 1]]
                 d, c = x - was, now - was
+                tol = INTERPOLATION_ULPS * eps * (np.abs(x) + np.abs(was) + np.abs(now))
                 dd = float(d @ d)
-                if not dd > 0:
+                if not dd > 0:  # equal to the trained tensor already: an average of the two only rounds
+                    if bool((np.abs(c) <= tol).all()):
+                        fit = math.nan
+                        break
                     continue
                 alpha = float(c @ d) / dd
-                tol = INTERPOLATION_ULPS * eps * (np.abs(x) + np.abs(was) + np.abs(now))
                 if 0.0 < alpha <= 1.0 + INTERPOLATION_ULPS * eps and bool((np.abs(c - alpha * d) <= tol).all()):
                     fit = min(alpha, 1.0)
                     break
@@ -298,6 +305,11 @@ class Fingerprints:
         return [i for i in range(len(self.params)) if sizes[i] and counts[i] > 0]
 
 
+_WHEN = {"between": "between the last optimizer.step() and this step's forward pass",
+         "during": "during optimizer.step()",
+         "inside": "inside the step, between its first forward pass and optimizer.step()"}
+
+
 class StepInvariants:
     """``changed_between_steps`` and ``frozen_moved`` on every step (module docstring). The
     recorder calls ``step_begins``, ``before_step`` and ``after_step``; ``hits`` hands over what
@@ -317,6 +329,7 @@ class StepInvariants:
         self._pending: list[tuple[int, str, torch.Tensor, set, Optional[tuple], Optional[tuple]]] = []
         self._extra: list[tuple[int, Hit]] = []  # found whole (changed_without_step)
         self._last_forward: Optional[torch.Tensor] = None  # the fingerprint at the step's last forward pass
+        self._first: Optional[torch.Tensor] = None  # at the step's first forward pass
         self._passes, self._changed = 0, None  # forward passes in this step; of them, after a change
         self._reported_unstepped = False
         self._frozen: list[int] = []
@@ -379,7 +392,7 @@ class StepInvariants:
 
     def step_begins(self, step: int) -> None:
         self._passes, self._changed = 1, None
-        now = self._last_forward = self.prints.sample()
+        now = self._last_forward = self._first = self.prints.sample()
         if self._anchor is None:
             self._anchor = now
         if self._after is not None:
@@ -392,8 +405,7 @@ class StepInvariants:
                 if self.eager:
                     changed = self.prints.changes(mask)
                     frozen = set(self._frozen)
-                    trained = [i for i in range(len(self.prints.params)) if i not in frozen]
-                    synced = self.prints.toward(self._after, now, [i for i in changed if i in frozen], trained)
+                    synced = self._toward(self._after, now, changed)
                     if synced is not None:
                         changed = [i for i in changed if i not in frozen]
                     clamped = self.prints.projected(self._after, now, changed)
@@ -414,7 +426,24 @@ class StepInvariants:
             mask = self._differ(self._before, self._after)
             if mask is not None and mask.shape == self._frozen_mask.shape:
                 self._pending.append((step, "during", mask & self._frozen_mask, set(), None, None))
-        self._before = None
+            # Inside the step, from its first forward pass to optimizer.step(): frozen tensors written
+            # by the forward pass itself (nn.Embedding's max_norm renormalises the rows it looks up;
+            # MoCo updates its key encoder there).
+            mask = self._differ(self._first, self._before)
+            if mask is not None and mask.shape == self._frozen_mask.shape:
+                mask = mask & self._frozen_mask
+                synced = self._toward(self._first, self._before, self.prints.changes(mask)) if self.eager else None
+                self._pending.append((step, "inside", mask, set(), None, synced))
+        self._before = self._first = None
+
+    def _toward(self, before: torch.Tensor, after: torch.Tensor, changed: Sequence[int]) -> Optional[tuple]:
+        """``Fingerprints.toward`` for the frozen tensors among ``changed``, against the others."""
+        frozen = set(self._frozen)
+        moved = [i for i in changed if i in frozen]
+        if not moved:
+            return None
+        trained = [i for i in range(len(self.prints.params)) if i not in frozen]
+        return self.prints.toward(before, after, moved, trained)
 
     def hits(self, logged: bool) -> list[tuple[int, Hit]]:
         """What the comparisons so far found, as (step, hit); on an accelerator only when
@@ -427,7 +456,7 @@ class StepInvariants:
         for step, where, mask, clamped, pulled, synced in pending:
             explained = set(clamped)
             if synced is not None:
-                found.append((step, self._target_update(*synced)))
+                found.append((step, self._target_update(where, *synced)))
                 explained.update(synced[0])
             changed = [i for i in self.prints.changes(mask) if i not in explained]
             if pulled is not None and not frozen.intersection(pulled[0]):
@@ -456,25 +485,26 @@ class StepInvariants:
             f"{alpha:.4g} of the way, every sampled entry alike: a pull toward a slow copy (Lookahead, Reptile's or "
             "local SGD's outer step), not a copy loaded"), {"tensors_pulled": len(pulled), "alpha": alpha})
 
-    def _target_update(self, moved: list[int], alphas: list[float]) -> Hit:
+    def _target_update(self, where: str, moved: list[int], alphas: list[float]) -> Hit:
         names = self.prints.names
         shown = ", ".join(names[i] for i in moved[:6]) + (" ..." if len(moved) > 6 else "")
-        low, high = min(alphas), max(alphas)
-        part = f"{low:.4g}" if high - low <= 1e-3 * high else f"{low:.4g} to {high:.4g}"
+        known = [a for a in alphas if not math.isnan(a)]
+        low, high = (min(known), max(known)) if known else (math.nan, math.nan)
+        part = ("an unknown fraction (each equalled its trained tensor: the average only rounded)" if not known else
+                f"{low:.4g}" if high - low <= 1e-3 * high else f"{low:.4g} to {high:.4g}")
         return ("target_network_update", names[moved[0]], (
-            f"{len(moved)} tensor(s) that do not train moved between the last optimizer.step() and this step's forward "
-            f"pass ({shown}), each onto the segment toward a trainable tensor of the same shape, a fraction {part} of "
+            f"{len(moved)} tensor(s) that do not train moved {_WHEN[where]} ({shown}), each onto the segment toward a "
+            f"trainable tensor of the same shape, {'' if not known else 'a fraction '}{part} of "
             "the way (1: a copy): a target or teacher network kept as a moving average of the trained one (BYOL, "
             "MoCo, mean teacher) or copied from it now and then (DQN's target network)"),
-            {"tensors_moved": len(moved), "alpha_min": low, "alpha_max": high})
+            {"tensors_moved": len(moved), "alpha_min": low if known else None, "alpha_max": high if known else None})
 
     def _describe(self, step: int, where: str, changed: list[int], frozen: set) -> list[Hit]:
         names = self.prints.names
         moved = [i for i in changed if i in frozen]
         edited = [i for i in changed if i not in frozen]
         hits: list[Hit] = []
-        when = ("between the last optimizer.step() and this step's forward pass" if where == "between"
-                else "during optimizer.step()")
+        when = _WHEN[where]
         if edited:
             shown = ", ".join(names[i] for i in edited[:6]) + (" ..." if len(edited) > 6 else "")
             share = len(edited) / max(1, len(self.prints.params) - len(frozen))
@@ -487,9 +517,11 @@ class StepInvariants:
                 "optimizer did not produce"), {"tensors_changed": len(edited), "share_of_trainable": share}))
         if moved:
             shown = ", ".join(names[i] for i in moved[:6]) + (" ..." if len(moved) > 6 else "")
-            why = ("the optimizer moved them: a zero .grad (not None) lets momentum and weight decay act"
-                   if where == "during" else "something outside the optimizer wrote them (a hand-written decay "
-                   "or update over every parameter?)")
+            why = {"during": "the optimizer moved them: a zero .grad (not None) lets momentum and weight decay act",
+                   "inside": "the forward or backward pass wrote them (nn.Embedding's max_norm renormalises the rows "
+                   "it looks up in place, frozen or not; a hook or a forward that updates weights in place)",
+                   "between": "something outside the optimizer wrote them (a hand-written decay or update over every "
+                   "parameter?)"}[where]
             hits.append(("frozen_moved", names[moved[0]], (
                 f"{len(moved)} tensor(s) that do not train (requires_grad=False or in no param group) changed "
                 f"{when} ({shown}): {why}"), {"tensors_moved": len(moved)}))
