@@ -323,7 +323,6 @@ class StepInvariants:
         self._after: Optional[torch.Tensor] = None  # the fingerprint after the last step
         self._anchor: Optional[torch.Tensor] = None  # at the first step, then after each change between steps
         self._before: Optional[torch.Tensor] = None  # at this step's optimizer.step(), before it
-        # (step, where, mask, tensors projected, the pull toward the anchor: (tensors, alpha) or None)
         # (step, where, mask, tensors projected, the pull toward the anchor: (tensors, alpha) or None,
         # frozen tensors moved toward trainable ones: (tensors, alphas) or None)
         self._pending: list[tuple[int, str, torch.Tensor, set, Optional[tuple], Optional[tuple]]] = []
@@ -404,10 +403,9 @@ class StepInvariants:
                 clamped, pulled, synced = set(), None, None
                 if self.eager:
                     changed = self.prints.changes(mask)
-                    frozen = set(self._frozen)
                     synced = self._toward(self._after, now, changed)
                     if synced is not None:
-                        changed = [i for i in changed if i not in frozen]
+                        changed = [i for i in changed if i not in synced[0]]
                     clamped = self.prints.projected(self._after, now, changed)
                     rest = [i for i in changed if i not in clamped]
                     alpha = self.prints.interpolation(self._anchor, self._after, now, rest)
