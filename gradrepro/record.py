@@ -260,7 +260,7 @@ class Recorder:
         try:
             self._after_forward(self.model, (), None)
             if self.watch is not None:
-                self.watch.disarm()
+                self.watch.close()
             if self._current is not None:
                 current, self._current = self._current, None
                 current.__exit__(RuntimeError, None, None)
@@ -477,7 +477,7 @@ class Recorder:
         self._after_forward(self.model, (), None)  # a forward that raised leaves nothing set
         raised: Optional[FindingError] = None
         if self.watch is not None:
-            self.watch.disarm()
+            self.watch.close()
             try:
                 self.watch.settle()  # a finding held for the next forward pass, said now
             except FindingError as exc:  # on_finding="raise": after the folder is written

@@ -12,6 +12,7 @@ it first appears (a *live finding*), with the same ``Finding`` fields and next c
 - ``invariants``: properties every correct step keeps (no change between steps, a frozen
   tensor stays put, each backward starts from the gradient the loop intends, training flags),
   from a cheap fingerprint per tensor;
+- ``carried``: stale gradients on every step, logged or not, from a few tensors' gradient hooks;
 - ``rule_check``: each update against what its optimizer's rule makes of the gradient;
 - ``over_steps``: the summary over a run's logged steps, read back from ``modules.parquet``.
 

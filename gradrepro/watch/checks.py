@@ -14,11 +14,15 @@ The kinds and what each rests on:
 - ``eval_mode``: dropout or normalisation modules in eval mode during a gradient step.
 - ``frozen_norm_drift``: a BatchNorm whose weight and bias are frozen while, in train mode,
   its running statistics move with every forward pass.
+- ``optimizer_attribute``: a hyper-parameter assigned on the optimizer object, where its step
+  never reads it (it reads the param groups).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
 from typing import Any, Iterable, Optional
 
 import numpy as np
@@ -218,6 +222,42 @@ def membership_hits(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
             f"the optimizer holds {len(stale)} tensor(s) the model no longer owns ({shapes})"
             + (f"; the model's {', '.join(outside[:4])} is in no param group: replaced after the optimizer was "
                "built?" if outside else "")), {"stale_tensors": len(stale), "model_tensors_outside": len(outside)}))
+    return hits
+
+
+def _class_reads(cls: type, name: str) -> bool:
+    """Whether an optimizer class's own code (its MRO outside torch.optim) reads ``self.<name>``;
+    a class whose code cannot be read counts as reading it (nothing is said of it)."""
+    pattern = re.compile(rf"\bself\.{re.escape(name)}\b")
+    for klass in cls.__mro__:
+        if klass is object or klass.__module__.startswith("torch.optim"):
+            continue
+        try:
+            if pattern.search(inspect.getsource(klass)):
+                return True
+        except (OSError, TypeError):
+            return True
+    return False
+
+
+def setting_hits(optimizer: Any) -> list[Hit]:
+    """Hyper-parameters assigned on an optimizer object (``optimizer.lr = 0.01``): an instance
+    attribute named like one of its defaults, which the step never reads (torch's optimizers
+    read each param group's value; a subclass that reads ``self.<name>`` is left alone), so the
+    param groups keep the value they had. Checked on every logged step: a hand-written schedule
+    assigns it as training goes."""
+    hits: list[Hit] = []
+    for opt in getattr(optimizer, "members", (optimizer,)):
+        if not isinstance(opt, torch.optim.Optimizer):
+            continue
+        for name in sorted(set(vars(opt)) & set(getattr(opt, "defaults", {}))):
+            if _class_reads(type(opt), name):
+                continue
+            used = sorted({repr(g.get(name)) for g in opt.param_groups})
+            hits.append(("optimizer_attribute", f"<optimizer>.{name}", (
+                f"{type(opt).__name__}.{name} = {vars(opt)[name]!r} is an attribute of the optimizer object, which its "
+                f"step never reads: the param groups' {name} is still {', '.join(used[:4])}"),
+                {"assigned": repr(vars(opt)[name]), "param_groups": used[:4]}))
     return hits
 
 

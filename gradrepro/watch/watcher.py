@@ -41,6 +41,7 @@ from gradrepro.errors import UserError
 from gradrepro.probe.shards import local
 from gradrepro.records.files import write_json
 from gradrepro.watch import checks, invariants
+from gradrepro.watch.carried import CarriedGradients
 from gradrepro.watch.rule_check import UpdateRuleCheck
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ KINDS: dict[str, str] = {
     "no_gradient": INFO, "grad_modified": ERROR, "nonfinite_gradient": ERROR, "stale_gradient": ERROR,
     "eval_mode": WARNING, "frozen_norm_drift": WARNING, "loss_scale_backoff": ERROR, "unregistered": WARNING,
     "repeated_module": WARNING, "freeze_noop": WARNING, "scaled_step": ERROR, "dropout_all": WARNING,
-    "norm_momentum": WARNING,
+    "norm_momentum": WARNING, "optimizer_attribute": WARNING,
 }
 KINDS.update(invariants.KINDS)  # the step's invariants (watch.invariants, watch.rule_check)
 KINDS["update_mismatch"] = WARNING
@@ -71,6 +72,8 @@ NEXT_CHECK.update({
     "whether to build the module, not its p",
     "norm_momentum": "PyTorch's momentum is the weight of the new batch: 1 - (TensorFlow's momentum), e.g. 0.01 "
     "for TensorFlow's 0.99",
+    "optimizer_attribute": "set it in every param group: for g in optimizer.param_groups: g['lr'] = new_lr (or use a "
+    "torch.optim.lr_scheduler)",
     "freeze_noop": "module.requires_grad_(False), or p.requires_grad_(False) for p in module.parameters(), before "
     "the optimizer is built (or leave its parameters out of the optimizer)",
 })
@@ -142,6 +145,7 @@ class Watch:
         self._sensitive += invariants.training_readers(model, self._sensitive)
         self.invariants = invariants.StepInvariants(probe.names, probe.params, optimizer)
         self.trail = invariants.BackwardTrail(probe.names, probe.params, self.invariants.prints)
+        self.carried = CarriedGradients(probe.names, probe.params, optimizer)  # stale_gradient between logged steps
         self.rule = UpdateRuleCheck(probe.names, probe.params, self.invariants.prints, optimizer)
         self._hits: list[checks.Hit] = []  # found before the step, reported after it
         self.at_step = True  # before_step runs in the optimizer's step pre-hook (False: called by hand, Lightning)
@@ -196,11 +200,12 @@ class Watch:
 
     def each_after_step(self, step: int, logged: bool) -> None:
         self.invariants.after_step(step)
+        self.carried.step_taken(step)
         self._report_invariants(logged)
 
     def _report_invariants(self, logged: bool) -> None:
         by_step: dict[int, list] = {}
-        for step, hit in self.invariants.hits(logged):
+        for step, hit in self.invariants.hits(logged) + self.carried.hits(logged):
             by_step.setdefault(step, []).append(hit)
         for step, hits in by_step.items():
             self._report(step, [(KINDS[hit[0]], hit) for hit in hits])
@@ -228,6 +233,7 @@ class Watch:
             hits, self._unregistered = checks.registration_hits(self.model, self.optimizer)
             self._hits += hits + checks.structure_hits(self.model)
         self._hits += checks.membership_hits(self.model, self.optimizer, self._unregistered)
+        self._hits += checks.setting_hits(self.optimizer)
         if self.at_step:  # inside optimizer.step() (its pre-hook), not a caller's hook before it (a scaler's step)
             self._hits += checks.scaled_step_hits(self.scaler, self.optimizer)
         self._hits += checks.mode_hits(self.model, self._sensitive)
@@ -319,6 +325,11 @@ class Watch:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def close(self) -> None:
+        """The recorder stops: every hook removed, the per-step ones included."""
+        self.disarm()
+        self.carried.close()
 
     # -- gradients around backward (logged steps only) ---------------------------------------
     def _on_output(self, module: nn.Module, args: Any, out: Any) -> None:

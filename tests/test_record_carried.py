@@ -1,0 +1,161 @@
+"""Two live checks of ``gradrepro.record`` that hold between logged steps too:
+``stale_gradient`` from the few tensors watched on every step (``watch.carried``), and
+``optimizer_attribute``, a hyper-parameter assigned on the optimizer object (``watch.checks``).
+Each is shown on its bug and silent on the loop that fixes it."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradrepro
+from gradrepro.watch.carried import SAMPLED
+from gradrepro.watch.checks import setting_hits
+
+
+def _data(n: int = 16):
+    return torch.randn(n, 6), torch.randint(0, 3, (n,))
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _run(tmp_path, body, every: int = 8, steps: int = 24, opt=None, model=None):
+    model = model or _mlp()
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.05)
+    with gradrepro.record(model, opt, tmp_path / "run", every=every, activations=False, on_finding="log") as rec:
+        for i in range(steps):
+            body(i, model, opt)
+    return rec
+
+
+def _kinds(rec) -> set:
+    return {(f.kind, f.step) for f in rec.watch.found}
+
+
+@pytest.mark.parametrize("buggy", [True, False])
+def test_a_reset_every_k_steps_aliased_with_the_logging_period_is_stale_at_once(tmp_path, buggy):
+    """zero_grad() every 4 micro-batches, step() on every one: each logged step (every 8) falls
+    right after a reset, so only the tensors watched on every step see the carried sums."""
+    def body(i, model, opt):
+        if (i % 4 == 0) if buggy else True:
+            opt.zero_grad()
+        x, y = _data()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    rec = _run(tmp_path, body)
+    assert _kinds(rec) == ({("stale_gradient", 1)} if buggy else set())
+    if buggy:
+        assert rec.watch.found[0].evidence["tensors_carrying"] == rec.watch.found[0].evidence["tensors_watched"]
+
+
+@pytest.mark.parametrize("reset", ["set_to_none", "zeros", "data_zero"])
+def test_every_way_of_resetting_a_gradient_reads_as_reset(tmp_path, reset):
+    """zero_grad()'s default (None), zero_grad(set_to_none=False) (zeroed in place: a new
+    version) and the old p.grad.data.zero_() (zeroed without a new version: the non-zero test)."""
+    def body(i, model, opt):
+        if reset == "data_zero":
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.data.zero_()
+        else:
+            opt.zero_grad(set_to_none=reset == "set_to_none")
+        x, y = _data()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert _kinds(_run(tmp_path, body)) == set()
+
+
+def test_a_reset_of_one_part_leaves_the_other_stale(tmp_path):
+    """zero_grad() on the head only: the body's tensors carry the sums (the watched tensors
+    are spread over the optimizer's list, so both parts have some)."""
+    def body(i, model, opt):
+        model[4].zero_grad()
+        x, y = _data()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    rec = _run(tmp_path, body)
+    stale = [f for f in rec.watch.found if f.kind == "stale_gradient"]
+    assert [f.step for f in stale] == [1]
+    assert "0.weight" in stale[0].detail and "4.weight" not in stale[0].detail
+    assert 0 < stale[0].evidence["tensors_carrying"] < stale[0].evidence["tensors_watched"]
+
+
+def test_gradient_accumulation_with_the_reset_at_the_step_is_silent(tmp_path):
+    def body(i, model, opt):
+        for _ in range(3):
+            x, y = _data(8)
+            (F.cross_entropy(model(x), y) / 3).backward()
+        opt.step()
+        opt.zero_grad()
+    assert _kinds(_run(tmp_path, body)) == set()
+
+
+def test_the_watched_tensors_are_few_and_their_hooks_go_with_the_recorder(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(12)])  # 24 tensors
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with gradrepro.record(model, opt, tmp_path / "run", every=4, activations=False) as rec:
+        watched = rec.watch.carried.sampled
+        assert len(watched) == SAMPLED and watched[0] == 0 and watched[-1] == 23
+        assert sum(bool(p._backward_hooks) for p in model.parameters()) == SAMPLED
+    assert not any(p._backward_hooks for p in model.parameters())
+
+
+@pytest.mark.parametrize("buggy", [True, False])
+def test_a_learning_rate_assigned_on_the_optimizer_object_is_reported(tmp_path, buggy):
+    """A hand-written decay that assigns optimizer.lr (an attribute the step never reads) against
+    one that assigns each param group's lr."""
+    def body(i, model, opt):
+        if i == 10:
+            if buggy:
+                opt.lr = 0.005
+            else:
+                for g in opt.param_groups:
+                    g["lr"] = 0.005
+        opt.zero_grad()
+        x, y = _data()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    rec = _run(tmp_path, body)
+    assert _kinds(rec) == ({("optimizer_attribute", 16)} if buggy else set())
+    if buggy:
+        finding = rec.watch.found[0]
+        assert finding.name == "<optimizer>.lr" and "0.05" in finding.detail and "param_groups" in finding.fix
+
+
+def _torch_optimizers():
+    return [cls for _, cls in inspect.getmembers(torch.optim, inspect.isclass)
+            if issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer]
+
+
+@pytest.mark.parametrize("cls", _torch_optimizers(), ids=lambda c: c.__name__)
+def test_no_torch_optimizer_holds_a_default_as_an_attribute(cls):
+    params = [nn.Parameter(torch.randn(4, 4))]
+    try:
+        opt = cls(params, lr=0.01)
+    except (TypeError, ValueError) as exc:  # an optimizer that wants other arguments
+        pytest.skip(str(exc))
+    assert setting_hits(opt) == []
+    opt.lr = 0.5
+    assert [h[0] for h in setting_hits(opt)] == ["optimizer_attribute"]
+
+
+def test_a_subclass_that_reads_its_own_attribute_is_left_alone():
+    class ScaledSGD(torch.optim.SGD):
+        def __init__(self, params, lr):
+            super().__init__(params, lr=lr)
+            self.lr = lr  # read by its own step
+
+        def step(self, closure=None):
+            for g in self.param_groups:
+                g["lr"] = self.lr
+            return super().step(closure)
+
+    assert setting_hits(ScaledSGD([nn.Parameter(torch.randn(2))], lr=0.1)) == []
