@@ -423,6 +423,38 @@ def test_a_step_with_no_backward_from_a_reset_gradient_is_stale(tmp_path, zero_d
     assert {(f.kind, f.step) for f in rec.watch.found} == (set() if zero_d else {("stale_gradient", 1)})
 
 
+class _LocalStages(nn.Module):
+    """Local learning: the first stage's own loss is back-propagated inside forward(), and the
+    second stage gets a detached input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stage1, self.aux = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.stage2 = nn.Linear(8, 3)
+        self.target = None
+
+    def forward(self, x):
+        h = torch.relu(self.stage1(x))
+        F.cross_entropy(self.aux(h), self.target).backward()
+        return self.stage2(h.detach())
+
+
+def test_a_backward_inside_the_forward_pass_is_not_a_carried_gradient(tmp_path):
+    """zero_grad() before the forward pass, whose own backward writes the first stage's .grad
+    before the backward the recorder sees begins: made in this step, nothing carried in."""
+    torch.manual_seed(0)
+    model = _LocalStages()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with gradrepro.record(model, opt, tmp_path / "run", every=2, activations=False, on_finding="log") as rec:
+        for _ in range(6):
+            x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+            model.target = y
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert rec.watch.found == []
+
+
 def test_steps_a_grad_scaler_skips_while_its_scale_settles_are_silent(tmp_path):
     """A scale so large that the first backward passes overflow: the scaler skips those steps and
     the loop zeroes their non-finite gradients, as it must."""

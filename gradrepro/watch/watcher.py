@@ -220,9 +220,12 @@ class Watch:
         # A stale gradient is one the step uses: where .grad is no longer the tensor it held when
         # the step began (set to None and assigned anew: gradients made by autograd.grad and put
         # in .grad by hand, as per-sample clipping does), the backward passes did not sum into it.
+        # Where no tensor had a .grad when the step began, nothing was carried in: a gradient found
+        # at the first backward the trail saw was made in this step (a backward run inside the
+        # forward pass, as local learning's per-stage losses do).
         params = self.probe.params
         still = {i for i, (ref, _) in self._marks.items() if ref() is not None and ref() is params[i].grad}
-        self.trail.stop(carried_used=bool(still) or not self._marks)
+        self.trail.stop(carried_used=bool(still))
         if self._start is not None:
             idx, carried, diff = self._start
             keep = [k for k, i in enumerate(idx) if i in still]
