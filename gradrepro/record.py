@@ -479,7 +479,7 @@ class Recorder:
         if self.watch is not None:
             self.watch.close()
             try:
-                self.watch.settle()  # a finding held for the next forward pass, said now
+                self.watch.settle(final=True)  # a finding held for the next forward pass, said now
             except FindingError as exc:  # on_finding="raise": after the folder is written
                 raised = exc
         if self._current is not None:

@@ -159,3 +159,43 @@ def test_a_subclass_that_reads_its_own_attribute_is_left_alone():
             return super().step(closure)
 
     assert setting_hits(ScaledSGD([nn.Parameter(torch.randn(2))], lr=0.1)) == []
+
+
+def _poisoned_batch(i: int, at: int):
+    x, y = _data()
+    if i == at:
+        x[0, 0] = float("nan")  # one corrupt sample: every gradient of this backward is NaN
+    return x, y
+
+
+@pytest.mark.parametrize("buggy", [True, False])
+def test_a_skipped_step_whose_nan_gradient_is_never_reset_is_stale(tmp_path, buggy):
+    """The loop skips optimizer.step() when the gradient norm is not finite; on the skip path
+    it forgets zero_grad(), so every later backward adds onto NaN and every later step is
+    skipped (the fix resets there). Found at the step in progress, before any later log."""
+    def body(i, model, opt):
+        x, y = _poisoned_batch(i, at=5)
+        F.cross_entropy(model(x), y).backward()
+        if not torch.isfinite(nn.utils.clip_grad_norm_(model.parameters(), 5.0)):
+            if not buggy:
+                opt.zero_grad()
+            return
+        opt.step()
+        opt.zero_grad()
+    rec = _run(tmp_path, body, steps=16)
+    assert _kinds(rec) == ({("stale_gradient", 5)} if buggy else set())
+    if buggy:
+        assert rec.watch.found[0].evidence == {"forward_passes": 2, "most_passes_of_a_step": 1}
+
+
+def test_an_overflow_carried_within_an_accumulated_step_is_silent(tmp_path):
+    """Three micro-batches a step; the first micro-batch of one step overflows and the next two
+    add onto it (as a GradScaler's accumulation does), then the step is skipped and reset."""
+    def body(i, model, opt):
+        for k in range(3):
+            x, y = _poisoned_batch(3 * i + k, at=15)
+            (F.cross_entropy(model(x), y) / 3).backward()
+        if torch.isfinite(nn.utils.clip_grad_norm_(model.parameters(), 5.0)):
+            opt.step()
+        opt.zero_grad()
+    assert _kinds(_run(tmp_path, body, steps=10)) == set()

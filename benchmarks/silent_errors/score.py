@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", choices=SETS, default="benchmark",
                     help="the benchmark (cases.py, healthy.py; default), the held-out set (cases_heldout.py, "
                          "healthy_heldout.py), the second held-out set (cases_heldout2.py, healthy_heldout2.py), "
-                         "the third, fourth or fifth (cases_heldoutN.py, healthy_heldoutN.py)")
+                         "the third to the sixth (cases_heldoutN.py, healthy_heldoutN.py)")
     ap.add_argument("--half", choices=HALVES + ("all",), default="all",
                     help="the design half, the scored half (split.py), or all (default)")
     ap.add_argument("--cases", nargs="*", default=None, help="case names of the chosen set (default: all)")

@@ -14,6 +14,13 @@ previous step's gradient again, summed into its own. One backward that started f
 (a GAN's generator pass may write the discriminator's ``.grad`` before the discriminator's
 ``zero_grad()``; its own backward then starts fresh).
 
+A step skipped by the loop (``continue`` past ``optimizer.step()`` when the gradient is not
+finite) has no boundary to judge at; what shows it is a backward adding onto a ``.grad`` that is
+already not finite, in a step that has run more training forward passes than any step before
+it did. A healthy loop resets there (``zero_grad()`` on the skip path, as ``GradScaler``'s
+loops do), and within its usual number of passes (an accumulated step whose first micro-batch
+overflowed) the carried infinity is what mixed precision expects.
+
 Cost: at most ``SAMPLED`` hooks; a healthy loop that sets ``.grad`` to None (``zero_grad()``'s
 default) pays one attribute read per hook and backward. The non-zero test (a few entries) runs
 only where ``.grad`` is unchanged; on an accelerator its result stays on the device until the
@@ -61,7 +68,9 @@ class CarriedGradients:
         self._state: dict[int, str] = {}  # tensor -> "fresh" or "carried" since the last step
         self._expect: dict[int, tuple] = {}  # a carried tensor -> (.grad, version) its next backward finds
         self._nonzero: dict[int, object] = {}  # a carried tensor -> whether .grad held anything (bool or tensor)
-        self._pending: list[tuple[int, list[int], list]] = []  # (step, tensors, non-zero tests)
+        self._pending: list[tuple[int, str, list[int], list, tuple]] = []  # (step, what, tensors, tests, counts)
+        self._passes, self._most = 0, 0  # forward passes in the step in progress; the most a taken step had
+        self._poisoned = False  # a non-finite .grad carried into a backward was seen in this step
         self._failed: Optional[tuple[int, Hit]] = None  # the hook's own failure: it stops, the loop goes on
         self._step = 0  # the step in progress
         self._stepped = False
@@ -77,8 +86,14 @@ class CarriedGradients:
             return None
         return hook
 
+    def forward(self, first: bool) -> None:
+        """A training forward pass: the step's first (``first``) or another before its step."""
+        self._passes = 1 if first else self._passes + 1
+
     def _reached(self, i: int) -> None:
         """A backward reached tensor ``i``; autograd has not yet added to its ``.grad``."""
+        if self._stepped and self._passes > self._most and not self._poisoned:
+            self._carried_nonfinite(i)
         state = self._state.get(i)
         if state == "fresh" or not self._stepped:
             return
@@ -96,12 +111,27 @@ class CarriedGradients:
         # autograd adds in place (one version); an out-of-place sum makes a new tensor, read as fresh
         self._expect[i] = (ref, version + 1)
 
+    def _carried_nonfinite(self, i: int) -> None:
+        """More forward passes than any taken step had: is the .grad this backward adds to
+        already not finite (a skipped step's, never reset)?"""
+        g = self.params[i].grad
+        if g is None:
+            return
+        flat = g.detach().reshape(-1)
+        bad = flat[:: max(1, flat.numel() // ENTRIES)][:ENTRIES].isfinite().logical_not().any()
+        if self.eager and not bool(bad):
+            return
+        self._poisoned = True
+        self._pending.append((self._step, "nonfinite", [i], [bad], (self._passes, self._most)))
+
     def step_taken(self, step: int) -> None:
         """``optimizer.step()`` of ``step`` has run: the backward passes since the last step are
         judged, and what each sampled ``.grad`` is now is marked for the next ones."""
         carried = [i for i in self.sampled if self._state.get(i) == "carried"]
         if carried:
-            self._pending.append((step, carried, [self._nonzero[i] for i in carried]))
+            self._pending.append((step, "carried", carried, [self._nonzero[i] for i in carried], ()))
+        self._most = max(self._most, self._passes)
+        self._passes, self._poisoned = 0, False
         self._state, self._expect, self._nonzero = {}, {}, {}
         self._marks = {}
         for i in self.sampled:
@@ -119,11 +149,20 @@ class CarriedGradients:
         if not self._pending or not (self.eager or logged):
             return found
         pending, self._pending = self._pending, []
-        for step, carried, nonzero in pending:
-            stale = [i for i, nz in zip(carried, nonzero) if bool(nz)]
-            if stale:
-                found.append((step, self._stale(step, stale)))
+        for step, what, tensors, tests, counts in pending:
+            hit = [i for i, t in zip(tensors, tests) if bool(t)]
+            if hit:
+                found.append((step, self._stale(step, hit) if what == "carried" else
+                              self._skipped(step, hit[0], *counts)))
         return found
+
+    def _skipped(self, step: int, i: int, passes: int, most: int) -> Hit:
+        return ("stale_gradient", "<model>", (
+            f"a backward pass added onto {self.names[i]}'s .grad while it already held NaN or Inf, at the "
+            f"{passes}th training forward pass since step {step - 1}'s optimizer.step() (no step before had more than "
+            f"{most}): steps are skipped and nothing resets the non-finite gradient, so every later backward adds to "
+            "it and no later step can use it (zero_grad() missing on the skip path)"),
+            {"forward_passes": passes, "most_passes_of_a_step": most})
 
     def _stale(self, step: int, stale: list[int]) -> Hit:
         shown = ", ".join(self.names[i] for i in stale[:4]) + (" ..." if len(stale) > 4 else "")

@@ -188,11 +188,13 @@ class Watch:
         """A step begins (its first forward pass, or ``rec.begin()``)."""
         self.settle()
         self.invariants.step_begins(step)
+        self.carried.forward(first=True)
         self._report_invariants(logged)
 
     def each_forward_again(self, step: int, logged: bool, every: int) -> None:
         """A training forward pass inside the step in progress (``invariants.forward_again``)."""
         self.invariants.forward_again(step, max(every, 2))
+        self.carried.forward(first=False)
         self._report_invariants(logged)
 
     def each_before_step(self) -> None:
@@ -282,8 +284,11 @@ class Watch:
                 self._late = self.probe.names[i]
         return hook
 
-    def settle(self) -> None:
-        """Say what was held (``_hold``): at the next forward pass, or at the end."""
+    def settle(self, final: bool = False) -> None:
+        """Say what was held (``_hold``): at the next forward pass, or at the end (``final``,
+        where what the per-step checks left on an accelerator's device is read too)."""
+        if final:
+            self._report_invariants(logged=True)
         if self._held is None:
             return
         for handle in self._late_handles:
