@@ -199,3 +199,22 @@ def test_an_overflow_carried_within_an_accumulated_step_is_silent(tmp_path):
             opt.step()
         opt.zero_grad()
     assert _kinds(_run(tmp_path, body, steps=10)) == set()
+
+
+@pytest.mark.parametrize("buggy", [True, False])
+def test_a_sparse_gradient_is_read_through_its_values(tmp_path, buggy):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(20, 4, sparse=True), nn.Flatten(), nn.Linear(12, 3))
+    opts = [torch.optim.SparseAdam(list(model[0].parameters()), lr=0.01),
+            torch.optim.Adam(list(model[2].parameters()), lr=0.01)]
+    with gradrepro.record(model, opts, tmp_path / "run", every=8, activations=False, on_finding="log") as rec:
+        for _ in range(6):
+            if not buggy:
+                for opt in opts:
+                    opt.zero_grad()
+            F.cross_entropy(model(torch.randint(0, 20, (8, 3))), torch.randint(0, 3, (8,))).backward()
+            for opt in opts:
+                opt.step()
+    kinds = {f.kind for f in rec.watch.found}
+    assert "recorder_error" not in kinds
+    assert ("stale_gradient" in kinds) == buggy

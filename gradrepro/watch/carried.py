@@ -42,6 +42,12 @@ SAMPLED = 8  # tensors with a hook: spread over the optimizer's list, so a reset
 ENTRIES = 16  # entries of .grad read for the non-zero test
 
 
+def _entries(g: torch.Tensor) -> torch.Tensor:
+    """Up to ``ENTRIES`` of a gradient's stored values, evenly spaced (a sparse gradient's values)."""
+    flat = (g._values() if g.is_sparse else g).detach().reshape(-1)
+    return flat[:: max(1, flat.numel() // ENTRIES)][:ENTRIES]
+
+
 def _spread(candidates: Sequence[int], k: int) -> list[int]:
     """``k`` of ``candidates`` at even spacing, the first and the last included."""
     if len(candidates) <= k:
@@ -82,7 +88,10 @@ class CarriedGradients:
                 try:
                     self._reached(i)
                 except Exception as exc:  # noqa: BLE001 - inside autograd: reported, never raised
-                    self._failed = (self._step, recorder_error_hit(exc, "the carried-gradient hook"))
+                    kind, name, _, evidence = recorder_error_hit(exc, "the carried-gradient hook")
+                    self._failed = (self._step, (kind, name, (
+                        f"the per-step stale-gradient check failed in its gradient hook ({evidence['error']}); that "
+                        "check stops, the recording and the training go on"), evidence))
             return None
         return hook
 
@@ -103,9 +112,7 @@ class CarriedGradients:
             self._state[i] = "fresh"
             return
         if state is None:  # the first backward since the step: is there anything carried?
-            flat = g.detach().reshape(-1)
-            picked = flat[:: max(1, flat.numel() // ENTRIES)][:ENTRIES]
-            nonzero = picked.ne(0).any()
+            nonzero = _entries(g).ne(0).any()
             self._nonzero[i] = bool(nonzero) if self.eager else nonzero
             self._state[i] = "carried"
         # autograd adds in place (one version); an out-of-place sum makes a new tensor, read as fresh
@@ -117,8 +124,7 @@ class CarriedGradients:
         g = self.params[i].grad
         if g is None:
             return
-        flat = g.detach().reshape(-1)
-        bad = flat[:: max(1, flat.numel() // ENTRIES)][:ENTRIES].isfinite().logical_not().any()
+        bad = _entries(g).isfinite().logical_not().any()
         if self.eager and not bool(bad):
             return
         self._poisoned = True

@@ -79,8 +79,8 @@ NEXT_CHECK: dict[str, str] = {
     "loop that covers every parameter",
     "grad_reset_in_step": "a backward's gradient was reset before the optimizer used it: in an accumulated step "
     "call zero_grad() only after optimizer.step(), not before every micro-batch",
-    "recorder_error": "the recorder stopped recording after this error (training went on); please report it with "
-    "the detail above, or pass live=False / hooks=False to work around it",
+    "recorder_error": "the detail says what stopped (the recording, or one check); training went on; please report "
+    "it with the detail above, or pass live=False / hooks=False to work around it",
 }
 
 SAMPLES = 4  # entries per tensor in its fingerprint: enough for a swap or an edit of the whole tensor
