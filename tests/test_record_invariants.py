@@ -423,6 +423,27 @@ def test_a_step_with_no_backward_from_a_reset_gradient_is_stale(tmp_path, zero_d
     assert {(f.kind, f.step) for f in rec.watch.found} == (set() if zero_d else {("stale_gradient", 1)})
 
 
+def test_a_generator_pass_reset_before_the_discriminators_own_backward_is_not_a_lost_gradient(tmp_path):
+    """The generator's backward runs through the recorded discriminator and writes its .grad;
+    the discriminator's zero_grad() then rightly drops that by-product before its own backward
+    (the backward flowed on into the discriminator's input, the generator's output). A reset
+    between two micro-batches of a model's own loss stays grad_reset_in_step (the tests above)."""
+    torch.manual_seed(0)
+    gen, disc = nn.Linear(4, 6), _mlp()
+    opt_g, opt_d = torch.optim.Adam(gen.parameters(), lr=1e-3), torch.optim.Adam(disc.parameters(), lr=1e-3)
+    with gradrepro.record(disc, opt_d, tmp_path / "run", every=2, activations=False, on_finding="log") as rec:
+        for _ in range(6):
+            z = torch.randn(8, 4)
+            disc(gen(z)).logsumexp(1).mean().backward()  # the generator's pass
+            opt_g.step()
+            opt_g.zero_grad()
+            opt_d.zero_grad()  # drop the by-product
+            (disc(torch.randn(8, 6)).logsumexp(1).mean() - disc(gen(z).detach()).logsumexp(1).mean()).backward()
+            opt_d.step()
+            opt_d.zero_grad()
+    assert rec.watch.found == []
+
+
 class _LocalStages(nn.Module):
     """Local learning: the first stage's own loss is back-propagated inside forward(), and the
     second stage gets a detached input."""

@@ -540,6 +540,7 @@ class BackwardTrail:
         self._fresh = False
         self._stopped = False
         self._passes, self._any_fresh, self._carried = 0, False, 0.0  # carried: the first pass's start
+        self._upstream = False  # the pass in progress flows on into the model's inputs
         self.found: list[Hit] = []
 
     def halt(self) -> None:
@@ -568,17 +569,22 @@ class BackwardTrail:
             norms = torch._foreach_norm([_dense(self.params[i].grad) for i in idx])
             return idx, torch.stack([n.float() for n in norms]).cpu().numpy()
 
-    def begins(self) -> None:
+    def begins(self, upstream: bool = False) -> None:
+        """A backward began; ``upstream``: it also flows into the recorded model's inputs."""
         if self._stopped:
             return
         idx, norms = self._norms()
         self._fresh = not np.any(norms != 0)
+        self._upstream = upstream
         if not self._passes:
             self._carried = float(np.sqrt(np.sum(np.nan_to_num(norms.astype(np.float64), nan=1.0) ** 2)))
         self._passes += 1
         self._any_fresh |= self._fresh
         last = self._last
-        if last is None or not last["fresh"] or not self._fresh or not last["left"]:
+        # A pass that flowed on into the model's inputs may serve the network upstream (a GAN's
+        # generator pass through the discriminator): its gradient on the model is a by-product the
+        # loop is right to reset before the model's own backward.
+        if last is None or not last["fresh"] or not self._fresh or not last["left"] or last["upstream"]:
             return
         mask = Fingerprints.differ(last["print"], self.prints.sample())
         if mask is None or mask.any():  # the weights moved: the first gradient was consumed (SAM)
@@ -606,7 +612,7 @@ class BackwardTrail:
         # A non-finite gradient is one no step can use (a GradScaler skips the step): dropping it
         # before the next backward is what the loop must do.
         left = [i for i, n in zip(idx, norms) if n != 0] if np.all(np.isfinite(norms)) else []
-        self._last = {"fresh": self._fresh, "left": left,
+        self._last = {"fresh": self._fresh, "left": left, "upstream": self._upstream,
                       "marks": {i: (weakref.ref(self.params[i].grad), self.params[i].grad._version) for i in left},
                       "print": self.prints.sample()}
 

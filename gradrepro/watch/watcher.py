@@ -22,6 +22,7 @@ read the gradients when backward begins and one multi-tensor norm when it ends
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import sys
@@ -345,8 +346,11 @@ class Watch:
         # (a segmentation model's auxiliary head, a detection model's dict of losses), and
         # autograd reaches the one made last first, filling its branch's .grad before the
         # first output's gradient exists. The first hook to fire in a backward is its start.
+        # An input that carries a gradient: this pass's backward flows on into a network upstream
+        # (a GAN's generator under the recorded discriminator), which it may be run for.
+        upstream = any(torch.is_tensor(t) and t.requires_grad for t in tree_flatten(args)[0])
         for t in {id(t): t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.requires_grad}.values():
-            t.register_hook(self._backward_begins)
+            t.register_hook(functools.partial(self._backward_begins, upstream=upstream))
 
     def _trail(self, moment: str, *args: Any) -> None:
         """The backward trail's hook, which must never raise into the user's backward: a failure
@@ -357,12 +361,12 @@ class Watch:
             self.trail.halt()
             self._hits.append(invariants.recorder_error_hit(exc, f"the backward hook ({moment})"))
 
-    def _backward_begins(self, grad: torch.Tensor) -> None:
+    def _backward_begins(self, grad: torch.Tensor, upstream: bool = False) -> None:
         """The gradient reached one of the model's outputs, the first in this backward (the
         others return at once): .grad holds what earlier backward passes left."""
         if self._in_backward:
             return None
-        self._trail("begins")
+        self._trail("begins", upstream)
         params, self._start = self.probe.params, None
         # Untouched since the step began: the same tensor (not set to None and rebuilt) at the
         # same version (not zeroed or written in place). Its difference from then is exactly 0.
