@@ -164,8 +164,8 @@ class CarriedGradients:
 
     def _skipped(self, step: int, i: int, passes: int, most: int) -> Hit:
         return ("stale_gradient", "<model>", (
-            f"a backward pass added onto {self.names[i]}'s .grad while it already held NaN or Inf, at the "
-            f"{passes}th training forward pass since step {step - 1}'s optimizer.step() (no step before had more than "
+            f"a backward pass added onto {self.names[i]}'s .grad while it already held NaN or Inf, after {passes} "
+            f"training forward passes since step {step - 1}'s optimizer.step() (no step before had more than "
             f"{most}): steps are skipped and nothing resets the non-finite gradient, so every later backward adds to "
             "it and no later step can use it (zero_grad() missing on the skip path)"),
             {"forward_passes": passes, "most_passes_of_a_step": most})
