@@ -10,9 +10,10 @@ the ``gradrepro.watch.watcher`` logger instead), to ``findings.json`` in the run
 (written atomically when it appears) and to ``rec.findings()``.
 
 The invariants of a training step (``watch.invariants``: weights changed between steps,
-frozen tensors that move, gradients reset inside a step; ``watch.rule_check``: the update
-against its rule) are wired in here. Cost: on a step that is not logged, the fingerprints
-alone (``invariants``). On a logged step, besides the probe's own work:
+frozen tensors that move, gradients reset inside a step; ``watch.carried``: stale gradients on
+every step; ``watch.rule_check``: the update against its rule) are wired in here. Cost: on a
+step that is not logged, the fingerprints (``invariants``) and at most 8 gradient hooks
+(``carried``). On a logged step, besides the probe's own work:
 identity sets of the optimizer's and the model's tensors, one pass over the mode-sensitive
 modules, a copy of each frozen BatchNorm's running mean, a forward hook on the model and a
 gradient hook on its output, where a few multi-tensor operations (a difference and norms)
