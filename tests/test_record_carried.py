@@ -218,3 +218,125 @@ def test_a_sparse_gradient_is_read_through_its_values(tmp_path, buggy):
     kinds = {f.kind for f in rec.watch.found}
     assert "recorder_error" not in kinds
     assert ("stale_gradient" in kinds) == buggy
+
+
+# -- another optimizer's step (watch.carried, its module docstring's second part) ------------------
+def _other_optimizer_run(tmp_path, order: str, steps: int = 6):
+    """A model held by the recorded optimizer, its first layer also by a second Adam stepped after
+    one backward (``order``: "after" or "before" the recorded one; "none": never)."""
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    second = torch.optim.Adam(model[0].parameters(), lr=1e-2)
+    with gradrepro.record(model, opt, tmp_path / "run", every=4, activations=False, on_finding="log") as rec:
+        for _ in range(steps):
+            opt.zero_grad()
+            second.zero_grad()
+            x, y = _data()
+            F.cross_entropy(model(x), y).backward()
+            if order == "before":
+                second.step()
+            opt.step()
+            if order == "after":
+                second.step()
+    return rec
+
+
+@pytest.mark.parametrize("order", ["after", "before", "none"])
+def test_one_gradient_stepped_by_two_optimizers_is_found_at_its_first_step(tmp_path, order):
+    rec = _other_optimizer_run(tmp_path, order)
+    found = [f for f in rec.watch.found if f.kind == "changed_between_steps" and "another optimizer" in f.detail]
+    if order == "none":
+        assert _kinds(rec) == set()
+    else:
+        assert [f.step for f in found] == [0]
+        assert found[0].evidence["other_optimizer"] == "Adam" and found[0].name == "0.weight"
+        assert f"optimizer's step 0 used, {order} it" in found[0].detail
+
+
+class _Wrapper(torch.optim.Optimizer):
+    """An optimizer whose step runs an inner one over the same tensors (as Lookahead or a loss-scaling
+    wrapper do): one step of one rule, not two optimizers."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+        super().__init__([p for g in inner.param_groups for p in g["params"]], {"lr": inner.defaults["lr"]})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        return self.inner.step(closure)
+
+
+@pytest.mark.parametrize("recorded", ["wrapper", "inner"])
+def test_a_wrapper_around_the_recorded_optimizer_or_inside_it_is_not_another_optimizer(tmp_path, recorded):
+    model = _mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    wrapper = _Wrapper(inner)
+
+    def body(i, model, opt):
+        wrapper.zero_grad()
+        x, y = _data()
+        F.cross_entropy(model(x), y).backward()
+        wrapper.step()
+    rec = _run(tmp_path, body, opt=wrapper if recorded == "wrapper" else inner, model=model, steps=8)
+    assert _kinds(rec) == set()
+
+
+def test_an_optimizer_switched_for_another_mid_run_is_not_two_optimizers(tmp_path):
+    """Adam for the first steps, then SGD over the same tensors (the recorded Adam steps no more)."""
+    model = _mlp()
+    adam, sgd = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def body(i, model, opt):
+        current = adam if i < 4 else sgd
+        current.zero_grad()
+        x, y = _data()
+        F.cross_entropy(model(x), y).backward()
+        current.step()
+    assert _kinds(_run(tmp_path, body, opt=adam, model=model, steps=10)) == set()
+
+
+def _gan(tmp_path, loop: str, steps: int = 8):
+    """A GAN with the discriminator recorded. ``loop``: "buggy" (the generator's backward fills the
+    discriminator's .grad, nothing zeroes it before the discriminator's own backward); "fixed"
+    (zero_grad() before it); "zeros" (the same with zero_grad(set_to_none=False)); "paused" (the
+    discriminator steps only on even iterations, zeroing before its own backward)."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    disc = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt_g, opt_d = torch.optim.Adam(gen.parameters(), lr=5e-3), torch.optim.Adam(disc.parameters(), lr=5e-3)
+    ones, zeros = torch.ones(32, 1), torch.zeros(32, 1)
+    with gradrepro.record(disc, opt_d, tmp_path / "run", every=4, activations=False, on_finding="log") as rec:
+        for step in range(steps):
+            z = torch.randn(32, 4)
+            F.binary_cross_entropy_with_logits(disc(gen(z)), ones).backward()
+            opt_g.step()
+            opt_g.zero_grad()
+            if loop == "paused" and step % 2:
+                continue
+            if loop != "buggy":
+                opt_d.zero_grad(set_to_none=loop != "zeros")
+            real = torch.randn(32, 2) + 2
+            (F.binary_cross_entropy_with_logits(disc(real), ones)
+             + F.binary_cross_entropy_with_logits(disc(gen(z).detach()), zeros)).backward()
+            opt_d.step()
+            opt_d.zero_grad()
+    return rec
+
+
+@pytest.mark.parametrize("loop", ["buggy", "fixed", "zeros", "paused"])
+def test_a_discriminator_stepped_with_the_generator_loss_gradient_is_stale_at_its_first_step(tmp_path, loop):
+    rec = _gan(tmp_path, loop)
+    if loop == "buggy":
+        stale = [f for f in rec.watch.found if f.kind == "stale_gradient"]
+        assert [f.step for f in stale] == [0] and stale[0].evidence["other_optimizer"] == "Adam"
+    else:
+        assert _kinds(rec) == set()
+
+
+def test_closing_the_recorder_removes_its_hooks_on_every_optimizer(tmp_path):
+    from torch.optim import optimizer as torch_optimizer
+    before = (len(torch_optimizer._global_optimizer_pre_hooks), len(torch_optimizer._global_optimizer_post_hooks))
+    rec = _other_optimizer_run(tmp_path, "none", steps=2)
+    assert rec.watch.found == []
+    assert (len(torch_optimizer._global_optimizer_pre_hooks),
+            len(torch_optimizer._global_optimizer_post_hooks)) == before

@@ -21,10 +21,25 @@ it did. A healthy loop resets there (``zero_grad()`` on the skip path, as ``Grad
 loops do), and within its usual number of passes (an accumulated step whose first micro-batch
 overflowed) the carried infinity is what mixed precision expects.
 
+Another optimizer's step (a hook on every optimizer's ``step()``, this one's and any wrapper's
+around it or inside it left out) shows two more ways a step uses a gradient that is not its own:
+
+- it steps tensors this one steps, with the very gradient this one's step used or will use
+  (the same ``.grad``, no backward since): one gradient applied twice per iteration, a module's
+  parameters held by two optimizers (``changed_between_steps``: the other optimizer moves them
+  between this one's steps);
+- a backward reached a tensor of this one, the other optimizer stepped, and a later backward
+  added onto that ``.grad`` before this one's step: this step applies the other loss's gradient
+  summed into its own (``stale_gradient``; a GAN whose generator pass fills the discriminator's
+  ``.grad`` with no ``zero_grad()`` before the discriminator's own backward). A healthy loop
+  resets between the two (``zero_grad()`` before each model's own backward) or keeps the other
+  loss from reaching the tensors (``requires_grad_(False)``, ``.detach()``).
+
 Cost: at most ``SAMPLED`` hooks; a healthy loop that sets ``.grad`` to None (``zero_grad()``'s
 default) pays one attribute read per hook and backward. The non-zero test (a few entries) runs
 only where ``.grad`` is unchanged; on an accelerator its result stays on the device until the
-next logged step.
+next logged step. Every optimizer's step runs the two global hooks: a list push and pop, and for
+another optimizer a look at the watched tensors' ``.grad`` (their membership in it cached).
 """
 
 from __future__ import annotations
@@ -34,9 +49,13 @@ from typing import Optional, Sequence
 
 import numpy as np
 import torch
+import torch.optim.optimizer as torch_optimizer
 
 from gradrepro.probe.shards import DTensor
 from gradrepro.watch.invariants import Hit, recorder_error_hit
+
+_GLOBAL_HOOKS = (getattr(torch_optimizer, "register_optimizer_step_pre_hook", None),
+                 getattr(torch_optimizer, "register_optimizer_step_post_hook", None))
 
 SAMPLED = 8  # tensors with a hook: spread over the optimizer's list, so a reset of one part only shows
 ENTRIES = 16  # entries of .grad read for the non-zero test
@@ -81,19 +100,40 @@ class CarriedGradients:
         self._step = 0  # the step in progress
         self._stepped = False
         self._handles = [self.params[i].register_hook(self._hook(i)) for i in self.sampled]
+        # Other optimizers' steps (the module docstring's second part)
+        # this one's optimizers (an OptimizerSet's members: watch.optimizers), by identity
+        self._ours = weakref.WeakSet(getattr(optimizer, "members", (optimizer,)) if optimizer is not None else ())
+        self._shared: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # other -> sampled tensors it holds
+        self._running: list[list] = []  # steps in progress, outermost first: [optimizer, nested with this one's]
+        self._touched: set[int] = set()  # sampled tensors a backward reached since this one's last step
+        self._across: dict[int, tuple] = {}  # tensor -> (.grad, version, other's class) when another optimizer stepped
+        self._foreign: dict[int, tuple] = {}  # tensor -> (non-zero test, other's class): added onto such a .grad
+        self._before: dict[int, tuple] = {}  # shared tensor -> (.grad, other's class): another stepped on it first
+        if optimizer is not None and self.sampled and all(_GLOBAL_HOOKS):
+            pre, post = _GLOBAL_HOOKS
+            self._handles += [pre(self._guarded(self._any_step_begins)), post(self._guarded(self._any_step_ends))]
 
     def _hook(self, i: int):
+        reached = self._guarded(lambda: self._reached(i))
+
         def hook(grad: torch.Tensor) -> None:
-            if self._failed is None:
-                try:
-                    self._reached(i)
-                except Exception as exc:  # noqa: BLE001 - inside autograd: reported, never raised
-                    kind, name, _, evidence = recorder_error_hit(exc, "the carried-gradient hook")
-                    self._failed = (self._step, (kind, name, (
-                        f"the per-step stale-gradient check failed in its gradient hook ({evidence['error']}); that "
-                        "check stops, the recording and the training go on"), evidence))
+            reached()
             return None
         return hook
+
+    def _guarded(self, fn):
+        """``fn`` run inside autograd or an optimizer's step: a failure is reported, never raised."""
+        def run(*args):
+            if self._failed is None:
+                try:
+                    fn(*args)
+                except Exception as exc:  # noqa: BLE001
+                    kind, name, _, evidence = recorder_error_hit(exc, "the carried-gradient hook")
+                    self._failed = (self._step, (kind, name, (
+                        f"the per-step stale-gradient check failed in its hook ({evidence['error']}); that "
+                        "check stops, the recording and the training go on"), evidence))
+            return None
+        return run
 
     def forward(self, first: bool) -> None:
         """A training forward pass: the step's first (``first``) or another before its step."""
@@ -101,6 +141,23 @@ class CarriedGradients:
 
     def _reached(self, i: int) -> None:
         """A backward reached tensor ``i``; autograd has not yet added to its ``.grad``."""
+        self._touched.add(i)
+        self._before.pop(i, None)
+        g = self.params[i].grad
+        if i in self._foreign:  # still the same sum (autograd adds in place, one version a backward)?
+            test, other, ref, version = self._foreign[i]
+            # another in-place write (an autograd.grad pass reaches the hook and adds nothing): a reset
+            # only if it left zeros (zero_grad(set_to_none=False)); off the host, any write counts as one
+            if g is None or ref() is not g or (g._version != version and (
+                    not self.eager or not bool(_entries(g).ne(0).any()))):
+                del self._foreign[i]
+            else:
+                self._foreign[i] = (test, other, ref, g._version + 1)
+        if i in self._across:
+            ref, version, other = self._across.pop(i)
+            if g is not None and ref() is g and g._version == version and i not in self._foreign:
+                nonzero = _entries(g).ne(0).any()
+                self._foreign[i] = (bool(nonzero) if self.eager else nonzero, other, ref, version + 1)
         if self._stepped and self._passes > self._most and not self._poisoned:
             self._carried_nonfinite(i)
         state = self._state.get(i)
@@ -136,6 +193,14 @@ class CarriedGradients:
         carried = [i for i in self.sampled if self._state.get(i) == "carried"]
         if carried:
             self._pending.append((step, "carried", carried, [self._nonzero[i] for i in carried], ()))
+        foreign = [i for i in self.sampled if i in self._foreign and self._foreign[i][2]() is self.params[i].grad]
+        if foreign:
+            self._pending.append((step, "foreign", foreign, [self._foreign[i][0] for i in foreign],
+                                  (self._foreign[foreign[0]][1],)))
+        twice = [i for i, (ref, _) in self._before.items() if ref() is not None and ref() is self.params[i].grad]
+        if twice:
+            self._twice(step, twice, self._before[twice[0]][1], "before")
+        self._touched, self._across, self._foreign, self._before = set(), {}, {}, {}
         self._most = max(self._most, self._passes)
         self._passes, self._poisoned = 0, False
         self._state, self._expect, self._nonzero = {}, {}, {}
@@ -145,6 +210,44 @@ class CarriedGradients:
             if g is not None:
                 self._marks[i] = (weakref.ref(g), g._version)
         self._stepped, self._step = True, step + 1
+
+    # -- other optimizers' steps ---------------------------------------------------------------
+    def _any_step_begins(self, optimizer, args, kwargs) -> None:
+        ours = optimizer in self._ours
+        if ours:
+            for entry in self._running:  # a wrapper whose step runs this one's: not another optimizer
+                entry[1] = True
+        self._running.append([optimizer, ours or any(e[0] in self._ours for e in self._running)])
+
+    def _any_step_ends(self, optimizer, args, kwargs) -> None:
+        at = next((k for k in range(len(self._running) - 1, -1, -1) if self._running[k][0] is optimizer), None)
+        if at is None:
+            return
+        _, nested = self._running.pop(at)
+        if nested:
+            return
+        shared = self._shared.get(optimizer)
+        if shared is None:
+            held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            shared = self._shared[optimizer] = [i for i in self.sampled if id(self.params[i]) in held]
+        other = type(optimizer).__name__
+        # A gradient this one's last step used, no backward since: the other applied it again.
+        again = [i for i in shared if i not in self._touched and i in self._marks
+                 and self._marks[i][0]() is not None and self._marks[i][0]() is self.params[i].grad]
+        if again and self._stepped:
+            self._twice(self._step - 1, again, other, "after")
+        for i in shared:  # this one may step next on the gradient the other just used
+            g = self.params[i].grad
+            if g is not None and i not in again:
+                self._before[i] = (weakref.ref(g), other)
+        for i in self._touched.difference(shared):  # a later backward may add onto what this one's tensors hold
+            g = self.params[i].grad
+            if g is not None:
+                self._across.setdefault(i, (weakref.ref(g), g._version, other))
+
+    def _twice(self, step: int, tensors: list[int], other: str, order: str) -> None:
+        tests = [_entries(self.params[i].grad).ne(0).any() for i in tensors]
+        self._pending.append((step, "twice", tensors, [bool(t) if self.eager else t for t in tests], (other, order)))
 
     def hits(self, logged: bool) -> list[tuple[int, Hit]]:
         """What was found, as (step, hit); on an accelerator only when ``logged``."""
@@ -158,11 +261,31 @@ class CarriedGradients:
         for step, what, tensors, tests, counts in pending:
             hit = [i for i, t in zip(tensors, tests) if bool(t)]
             if hit:
-                found.append((step, self._stale(step, hit) if what == "carried" else
-                              self._skipped(step, hit[0], *counts)))
+                judge = {"carried": self._stale, "nonfinite": self._skipped, "foreign": self._foreign_hit,
+                         "twice": self._twice_hit}[what]
+                found.append((step, judge(step, hit, *counts)))
         return found
 
-    def _skipped(self, step: int, i: int, passes: int, most: int) -> Hit:
+    def _foreign_hit(self, step: int, hit: list[int], other: str) -> Hit:
+        return ("stale_gradient", self.names[hit[0]], (
+            f"a backward pass added onto {self.names[hit[0]]}'s .grad (and {len(hit) - 1} more of the "
+            f"{len(self.sampled)} tensors watched) while it still held the gradient of an earlier backward that "
+            f"another optimizer ({other}) had already stepped on: step {step} applies that other loss's gradient "
+            "summed into this model's own (no zero_grad() before this model's own backward, as in a GAN whose "
+            "generator pass also fills the discriminator's .grad)"),
+            {"tensors_carrying": len(hit), "tensors_watched": len(self.sampled), "other_optimizer": other})
+
+    def _twice_hit(self, step: int, hit: list[int], other: str, order: str) -> Hit:
+        return ("changed_between_steps", self.names[hit[0]], (
+            f"another optimizer ({other}) stepped {self.names[hit[0]]} (and {len(hit) - 1} more of the "
+            f"{len(self.sampled)} tensors watched) with the very gradient this optimizer's step {step} used, "
+            f"{order} it, no backward between: one gradient is applied twice per iteration, and the other "
+            "optimizer moves the tensors between this one's steps (a module whose parameters are held by two "
+            "optimizers)"),
+            {"tensors_shared": len(hit), "tensors_watched": len(self.sampled), "other_optimizer": other})
+
+    def _skipped(self, step: int, hit: list[int], passes: int, most: int) -> Hit:
+        i = hit[0]
         return ("stale_gradient", "<model>", (
             f"a backward pass added onto {self.names[i]}'s .grad while it already held NaN or Inf, after {passes} "
             f"training forward passes since step {step - 1}'s optimizer.step() (no step before had more than "

@@ -211,8 +211,8 @@ class Watch:
         by_step: dict[int, list] = {}
         for step, hit in self.invariants.hits(logged) + self.carried.hits(logged):
             by_step.setdefault(step, []).append(hit)
-        for step, hits in by_step.items():
-            self._report(step, [(KINDS[hit[0]], hit) for hit in hits])
+        for step in sorted(by_step):  # the earliest first: a finding is said once, at its first step
+            self._report(step, [(KINDS[hit[0]], hit) for hit in by_step[step]])
 
     def recorder_failed(self, step: int, exc: BaseException, where: str) -> None:
         """The recorder's own failure, as one ``recorder_error`` finding."""
