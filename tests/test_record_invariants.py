@@ -402,6 +402,46 @@ def test_a_gradient_changed_inside_the_step_is_an_update_mismatch(tmp_path):
     assert finding.evidence["tensors_mismatched"] == 2 and finding.name == "0.weight"
 
 
+class _CountlessAdam(torch.optim.Adam):
+    """Adam's step written out by hand, with its bias corrections at the count it finds plus one;
+    ``advance`` False: the count is read and never written back (it stays 0)."""
+
+    advance = True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            (b1, b2), lr, eps = group["betas"], group["lr"], group["eps"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                t = float(state["step"]) + 1
+                if self.advance:
+                    state["step"] += 1
+                state["exp_avg"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                state["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                denom = (state["exp_avg_sq"] / (1 - b2 ** t)).sqrt_().add_(eps)
+                p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - b1 ** t))
+
+
+@pytest.mark.parametrize("advance", [False, True])
+def test_an_adam_step_count_never_advanced_is_an_update_mismatch(tmp_path, advance):
+    """Each update matches Adam's rule for the state it found; the count the rule advances does not move."""
+    model = _mlp()
+    opt = _CountlessAdam(model.parameters(), lr=1e-2)
+    opt.advance = advance
+    rec, found, _ = _train(tmp_path, model, opt, every=4, steps=9)
+    if advance:
+        assert found == set()
+    else:
+        assert found == {("update_mismatch", 4)}
+        finding = next(f for f in rec.watch.found if f.kind == "update_mismatch")
+        assert finding.evidence["step_count_before"] == finding.evidence["step_count_after"] == 0
+
+
 @pytest.mark.parametrize("zero_d", [False, True])
 def test_a_step_with_no_backward_from_a_reset_gradient_is_stale(tmp_path, zero_d):
     """A second loss writes the recorded model's .grad between its steps (a generator's pass

@@ -8,6 +8,11 @@ state before the step, and compared with the entries after it.
 Tolerance: the predicted change within a relative 1e-3 (the float32 arithmetic of the
 optimizer's own kernels against float64), plus four units in the last place of the entry's
 value in the parameter's dtype (the rounding of the stored result).
+
+The rule also advances Adam's per-tensor ``step`` by one: a step count the step left where it
+found it (a hand-written step that reads the count for its bias corrections and never increments
+it) makes every later update use the first step's corrections, though each update matches the
+rule for the state it found.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ class UpdateRuleCheck:
         self.enabled = (optimizer is not None and prints.enabled
                         and any(rule_name(m) in ("sgd", "adam") for m, _ in member_groups(optimizer)))
         self._expected: list[tuple] = []  # per group: (its optimizer, tensor indices, entries each, before, predicted)
+        self._counts: list[tuple] = []  # (optimizer, tensor indices, Adam's step count they had before the step)
         self._index = {id(p): i for i, p in enumerate(self.params)}
 
     def predict(self) -> None:
@@ -59,7 +65,7 @@ class UpdateRuleCheck:
         predicted by one call of the rule (the rules act entry by entry; a group's tensors share
         its hyperparameters). Tensors whose scalar state differs from the group's first (Adam's
         ``step``) are predicted alone."""
-        self._expected = []
+        self._expected, self._counts = [], []
         if not self.enabled:
             return
         with torch.no_grad():
@@ -83,6 +89,10 @@ class UpdateRuleCheck:
                     if predicted is not None:
                         sizes = [m[1].numel() for m in members]
                         self._expected.append((member, index, sizes, p_s.clone(), predicted))
+                        count = state.get("step")
+                        if (rule_name(member) == "adam" and isinstance(count, (int, float))
+                                and not isinstance(count, bool)):
+                            self._counts.append((member, index, count))
 
     def _picked(self, p: torch.Tensor, states: dict):
         """(index, sampled entries of p and of its gradient, a key of its state's scalars and
@@ -112,10 +122,33 @@ class UpdateRuleCheck:
             return None
         return i, p_s, g_s, key, names, tensors
 
+    def _frozen_counts(self, counts: list[tuple]) -> list[Hit]:
+        """Tensors whose Adam step count the step did not advance by one."""
+        bad = []
+        for member, index, before in counts:
+            for i in index:
+                now = member.state.get(self.params[i], {}).get("step")
+                if now is not None and float(now) != before + 1:
+                    bad.append((i, float(now), before))
+        if not bad:
+            return []
+        i, now, before = bad[0]
+        shown = ", ".join(self.names[b[0]] for b in bad[:6]) + (" ..." if len(bad) > 6 else "")
+        return [("update_mismatch", self.names[i], (
+            f"{len(bad)} tensor(s) ({shown}) left optimizer.step() with the Adam step count at {now:g}, where "
+            f"the step found {before:g} and Adam's rule advances it by one: the bias corrections stay those of "
+            "one step, an effective learning rate the schedule does not set (a hand-written step that reads the "
+            "count and never increments it)"),
+            {"tensors_mismatched": len(bad), "step_count_before": before, "step_count_after": now})]
+
     def compare(self, step: int) -> list[Hit]:
+        counts, self._counts = self._counts, []
         expected, self._expected = self._expected, []
         if not expected:
             return []
+        frozen = self._frozen_counts(counts)
+        if frozen:
+            return frozen
         bad = []
         with torch.no_grad():
             for member, index, sizes, before, predicted in expected:
