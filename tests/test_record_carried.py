@@ -340,3 +340,24 @@ def test_closing_the_recorder_removes_its_hooks_on_every_optimizer(tmp_path):
     assert rec.watch.found == []
     assert (len(torch_optimizer._global_optimizer_pre_hooks),
             len(torch_optimizer._global_optimizer_post_hooks)) == before
+
+
+def test_a_recorder_never_closed_stops_listening_to_optimizers_once_collected(tmp_path):
+    """The hooks on every optimizer's step hold the checks weakly: a recorder dropped without
+    close() is not called at every later optimizer step of the process."""
+    import gc
+    import weakref
+
+    from gradrepro.watch import carried
+
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    rec = gradrepro.record(model, opt, tmp_path / "run", every=4, activations=False, on_finding="log")
+    x, y = _data()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    check = weakref.ref(rec.watch.carried)
+    assert check() in set(carried._LISTENING)
+    del rec, model, opt
+    gc.collect()
+    assert check() is None

@@ -56,6 +56,33 @@ from gradrepro.watch.invariants import Hit, recorder_error_hit
 
 _GLOBAL_HOOKS = (getattr(torch_optimizer, "register_optimizer_step_pre_hook", None),
                  getattr(torch_optimizer, "register_optimizer_step_post_hook", None))
+# One pair of global hooks for every live check, held weakly: a recorder never closed and no
+# longer reachable stops being called once collected (a hook of its own would keep it alive,
+# and be called at every optimizer step of the process, for good).
+_LISTENING: "weakref.WeakSet" = weakref.WeakSet()
+_GLOBAL_HANDLES: list = []
+
+
+def _to_each(event: str):
+    def hook(optimizer, args, kwargs) -> None:
+        for check in list(_LISTENING):
+            getattr(check, event)(optimizer)
+    return hook
+
+
+def _listen(check: "CarriedGradients") -> None:
+    if not _GLOBAL_HANDLES:
+        pre, post = _GLOBAL_HOOKS
+        _GLOBAL_HANDLES.extend([pre(_to_each("_step_begins")), post(_to_each("_step_ends"))])
+    _LISTENING.add(check)
+
+
+def _stop_listening(check: "CarriedGradients") -> None:
+    _LISTENING.discard(check)
+    if not _LISTENING:
+        for handle in _GLOBAL_HANDLES:
+            handle.remove()
+        _GLOBAL_HANDLES.clear()
 
 SAMPLED = 8  # tensors with a hook: spread over the optimizer's list, so a reset of one part only shows
 ENTRIES = 16  # entries of .grad read for the non-zero test
@@ -109,9 +136,11 @@ class CarriedGradients:
         self._across: dict[int, tuple] = {}  # tensor -> (.grad, version, other's class) when another optimizer stepped
         self._foreign: dict[int, tuple] = {}  # tensor -> (non-zero test, other's class): added onto such a .grad
         self._before: dict[int, tuple] = {}  # shared tensor -> (.grad, other's class): another stepped on it first
-        if optimizer is not None and self.sampled and all(_GLOBAL_HOOKS):
-            pre, post = _GLOBAL_HOOKS
-            self._handles += [pre(self._guarded(self._any_step_begins)), post(self._guarded(self._any_step_ends))]
+        self._step_begins = self._guarded(self._any_step_begins)
+        self._step_ends = self._guarded(self._any_step_ends)
+        self._listening = optimizer is not None and bool(self.sampled) and all(_GLOBAL_HOOKS)
+        if self._listening:
+            _listen(self)
 
     def _hook(self, i: int):
         reached = self._guarded(lambda: self._reached(i))
@@ -212,14 +241,17 @@ class CarriedGradients:
         self._stepped, self._step = True, step + 1
 
     # -- other optimizers' steps ---------------------------------------------------------------
-    def _any_step_begins(self, optimizer, args, kwargs) -> None:
+    def _any_step_begins(self, optimizer) -> None:
+        at = next((k for k, e in enumerate(self._running) if e[0] is optimizer), None)
+        if at is not None:  # its last step raised before its end: what it left open is closed
+            del self._running[at:]
         ours = optimizer in self._ours
         if ours:
             for entry in self._running:  # a wrapper whose step runs this one's: not another optimizer
                 entry[1] = True
         self._running.append([optimizer, ours or any(e[0] in self._ours for e in self._running)])
 
-    def _any_step_ends(self, optimizer, args, kwargs) -> None:
+    def _any_step_ends(self, optimizer) -> None:
         at = next((k for k in range(len(self._running) - 1, -1, -1) if self._running[k][0] is optimizer), None)
         if at is None:
             return
@@ -306,3 +338,6 @@ class CarriedGradients:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._listening:
+            _stop_listening(self)
+            self._listening = False
