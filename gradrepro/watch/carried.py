@@ -143,12 +143,7 @@ class CarriedGradients:
             _listen(self)
 
     def _hook(self, i: int):
-        reached = self._guarded(lambda: self._reached(i))
-
-        def hook(grad: torch.Tensor) -> None:
-            reached()
-            return None
-        return hook
+        return self._guarded(lambda grad: self._reached(i))  # returns None: the gradient is left as it is
 
     def _guarded(self, fn):
         """``fn`` run inside autograd or an optimizer's step: a failure is reported, never raised."""
