@@ -20,7 +20,8 @@ python3 -c "import platform, torch; print('python', platform.python_version(), '
 nvidia-smi -L | tee -a "$out/machine.txt"
 
 workers=${CUDA_CHECK_WORKERS:-8}
-xdist=(); [ "$workers" -gt 1 ] && xdist=(-n "$workers")
+# --dist load: the tests of the one file spread over the workers (pyproject's default keeps a file on one)
+xdist=(-n 0); [ "$workers" -gt 1 ] && xdist=(-n "$workers" --dist load)
 timeout "${PYTEST_LIMIT_S:-1800}" python3 -m pytest -m cuda tests/test_cuda.py "${xdist[@]}" -v -rA \
   --durations=0 --basetemp=/tmp/gradrepro_cuda -p no:cacheprovider 2>&1 | tee "$out/pytest_cuda.log"
 # The runs' summaries (verdicts, checks, references): one file, whatever pytest reached.

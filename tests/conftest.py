@@ -8,10 +8,11 @@ import functools
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import pandas as pd
 import pytest
@@ -77,13 +78,35 @@ SWEEP = ["experiment=simsiam_baseline,simsiam_nostopgrad", "scale=tiny", "thread
 TWO_JOBS = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]  # one run per core of a 2-core machine
 
 
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], object]) -> Path:
+    """A folder that ``build(folder)`` fills once per test run. Alone, that is once per session;
+    under pytest-xdist (the default run's two workers) every worker's session asks for it, so the
+    first one builds it under a lock in the folder the workers share and the others wait for it
+    and read it (the pattern of pytest-xdist's docs, "Making session-scoped fixtures execute only
+    once")."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        folder = tmp_path_factory.mktemp(name)
+        build(folder)
+        return folder
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent
+    folder, done = shared / name, shared / f"{name}.built"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a worker's failed build left
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def joblib_sweep(tmp_path_factory) -> Path:
     """2 experiments x 2 seeds on the joblib launcher, 2 jobs at once (shared by the sweep,
     compare and report tests; treat it as read-only)."""
-    sweep = tmp_path_factory.mktemp("joblib") / "sweep"
-    multirun(sweep, *SWEEP, "seed=0,1", *TWO_JOBS)
-    return sweep
+    return built_once(tmp_path_factory, "joblib", lambda folder: multirun(folder / "sweep", *SWEEP, "seed=0,1",
+                                                                       *TWO_JOBS)) / "sweep"
 
 
 @pytest.fixture(scope="session")
@@ -92,9 +115,8 @@ def tiny_runs(tmp_path_factory) -> Dict[str, Path]:
     run folder}, on the joblib launcher: two runs at a time with a thread each, one per core
     of a 2-core CI machine (the same verdicts as one process running them in turn). Shared by
     every test that needs a finished run."""
-    sweep = tmp_path_factory.mktemp("tiny_sweep")
-    multirun(sweep, f"experiment={','.join(experiment_names())}", "scale=tiny", "threads=1", *TWO_JOBS,
-             timeout=1800)
+    sweep = built_once(tmp_path_factory, "tiny_sweep", lambda folder: multirun(
+        folder, f"experiment={','.join(experiment_names())}", "scale=tiny", "threads=1", *TWO_JOBS, timeout=1800))
     found = {}
     for summary in sweep.rglob("summary.json"):
         if "references" in summary.relative_to(sweep).parts:

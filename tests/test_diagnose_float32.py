@@ -164,6 +164,27 @@ def test_the_gradients_are_copied_only_where_a_hook_or_a_custom_step_can_rewrite
     assert grads_may_be_rewritten(Custom([p], lr=0.1))
 
 
+def test_a_live_recorders_hooks_on_every_optimizer_do_not_count_as_rewriting_gradients(tmp_path):
+    """gradrepro.record's carried-gradient check holds a global step hook that only reads .grad:
+    diagnose of another model beside a live recorder keeps its fast path; another global hook still counts."""
+    from torch.optim import optimizer as torch_optimizer
+
+    import gradrepro
+
+    net = nn.Linear(4, 2)
+    rec = gradrepro.record(net, torch.optim.SGD(net.parameters(), lr=0.1), tmp_path / "run", every=1,
+                           activations=False, on_finding="log")
+    opt = torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.1)  # another model's, not recorded
+    try:
+        assert len(torch_optimizer._global_optimizer_pre_hooks) > 0
+        assert not grads_may_be_rewritten(opt)
+        handle = torch_optimizer.register_optimizer_step_post_hook(lambda *_: None)
+        assert grads_may_be_rewritten(opt)
+        handle.remove()
+    finally:
+        rec.close()
+
+
 class _WithSpare(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -348,6 +348,8 @@ def test_a_recorder_never_closed_stops_listening_to_optimizers_once_collected(tm
     import gc
     import weakref
 
+    from torch.optim import optimizer as torch_optimizer
+
     from gradrepro.watch import carried
 
     model = _mlp()
@@ -358,6 +360,14 @@ def test_a_recorder_never_closed_stops_listening_to_optimizers_once_collected(tm
     opt.step()
     check = weakref.ref(rec.watch.carried)
     assert check() in set(carried._LISTENING)
+    hooks = carried.own_global_hooks()
+    assert hooks and hooks <= set(torch_optimizer._global_optimizer_pre_hooks) | set(
+        torch_optimizer._global_optimizer_post_hooks)
     del rec, model, opt
     gc.collect()
     assert check() is None
+    # the last check gone, the pair of global hooks is gone too (another live test's could remain)
+    if not list(carried._LISTENING):
+        assert carried.own_global_hooks() == set()
+        assert not hooks & (set(torch_optimizer._global_optimizer_pre_hooks)
+                            | set(torch_optimizer._global_optimizer_post_hooks))

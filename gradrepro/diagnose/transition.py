@@ -12,6 +12,7 @@ the optimizer's state keep exactly that one step.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -193,11 +194,13 @@ def grads_may_be_rewritten(optimizer: torch.optim.Optimizer) -> bool:
     """Whether code the transition does not write runs between backward and the point where
     the step's gradient is read: a step pre- or post-hook (the optimizer's or a global one) or
     a ``step`` not torch's own (a subclass's, which may rescale .grad before the update)."""
+    carried = sys.modules.get("gradrepro.watch.carried")  # not imported: no recorder holds hooks
+    ours = carried.own_global_hooks() if carried else set()  # a recorder's carried check only reads .grad
     hooks = (getattr(optimizer, "_optimizer_step_pre_hooks", None),
              getattr(optimizer, "_optimizer_step_post_hooks", None),
              getattr(torch_optimizer, "_global_optimizer_pre_hooks", None),
              getattr(torch_optimizer, "_global_optimizer_post_hooks", None))
-    if any(h is None or len(h) > 0 for h in hooks):
+    if any(h is None or len(set(h) - ours) > 0 for h in hooks):
         return True
     step = getattr(optimizer.step, "__func__", optimizer.step)  # an instance's own step counts too
     return not getattr(step, "__module__", "").startswith("torch.optim.")

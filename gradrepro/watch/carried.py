@@ -58,9 +58,12 @@ _GLOBAL_HOOKS = (getattr(torch_optimizer, "register_optimizer_step_pre_hook", No
                  getattr(torch_optimizer, "register_optimizer_step_post_hook", None))
 # One pair of global hooks for every live check, held weakly: a recorder never closed and no
 # longer reachable stops being called once collected (a hook of its own would keep it alive,
-# and be called at every optimizer step of the process, for good).
+# and be called at every optimizer step of the process, for good), and the pair is removed when
+# the last check closes or is collected.
 _LISTENING: "weakref.WeakSet" = weakref.WeakSet()
 _GLOBAL_HANDLES: list = []
+_RELEASES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # check -> its finalizer
+_LIVE = [0]
 
 
 def _to_each(event: str):
@@ -70,19 +73,34 @@ def _to_each(event: str):
     return hook
 
 
+def _release() -> None:
+    _LIVE[0] -= 1
+    if _LIVE[0] == 0:
+        for handle in _GLOBAL_HANDLES:
+            handle.remove()
+        _GLOBAL_HANDLES.clear()
+
+
 def _listen(check: "CarriedGradients") -> None:
     if not _GLOBAL_HANDLES:
         pre, post = _GLOBAL_HOOKS
         _GLOBAL_HANDLES.extend([pre(_to_each("_step_begins")), post(_to_each("_step_ends"))])
     _LISTENING.add(check)
+    _LIVE[0] += 1
+    _RELEASES[check] = weakref.finalize(check, _release)  # runs once: at close or at collection
 
 
 def _stop_listening(check: "CarriedGradients") -> None:
     _LISTENING.discard(check)
-    if not _LISTENING:
-        for handle in _GLOBAL_HANDLES:
-            handle.remove()
-        _GLOBAL_HANDLES.clear()
+    release = _RELEASES.pop(check, None)
+    if release is not None:
+        release()
+
+
+def own_global_hooks() -> set:
+    """The ids of the global optimizer-step hooks the live checks hold (they read, never write)."""
+    return {handle.id for handle in _GLOBAL_HANDLES}
+
 
 SAMPLED = 8  # tensors with a hook: spread over the optimizer's list, so a reset of one part only shows
 ENTRIES = 16  # entries of .grad read for the non-zero test
