@@ -90,7 +90,8 @@ class RecordOptions:
             and the steps it skips are not steps of the record.
         activations: record activation statistics (``act_mean``, ``act_std``, ``act_grad_std``)
             on logged steps.
-        act_sample: elements per activation sampled for those statistics.
+        act_sample: examples (the first rows of each batch) whose activations and activation gradients
+            those statistics summarise.
         hooks: find each step from the optimizer's step hooks; False: call ``rec.begin()``,
             ``rec.before_step()`` and ``rec.after_step()`` yourself (the update rule is then not checked).
         bf16: count the updates bf16 weights round away: True, False, or None (when a weight is
