@@ -233,3 +233,32 @@ def test_layouts_follow_changing_batches_and_modules_seen_or_not():
             assert cols["act_mean"][skip] == pytest.approx(net.skip(x)[:5].double().mean().item(), rel=1e-5)
         else:  # not called this step: no activation statistics, no gradient
             assert np.isnan(cols["act_mean"][skip]) and cols["grad_state"][skip] == "none"
+
+
+def test_a_value_cap_takes_as_many_whole_examples_as_fit_and_at_least_one():
+    """``act_values``: of the ``act_sample`` first examples, the whole examples whose values fit
+    under the cap (a (batch, 8) output: 16 values are 2 examples; a (batch, 40) output, wider
+    than the cap, still gives its first example); 0 leaves the sample as it was."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 40)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(6, 4)
+    for cap, take_a, take_b in ((16, 2, 1), (0, 5, 5), (1000, 5, 5)):
+        probe = Probe(net, ProbeConfig(every=1, act_sample=5, act_values=cap), total_steps=1)
+        net.zero_grad()
+        with probe.step(0) as p:
+            (net(x) ** 2).sum().backward()
+            p.collect()
+        cols = p.columns
+        row = {m: i for i, (m, q) in enumerate(zip(cols["module"], cols["param"])) if q == "weight"}
+        with torch.no_grad():
+            hidden, out = net.a(x).double(), net(x).double()
+        assert cols["act_std"][row["a"]] == pytest.approx(hidden[:take_a].std().item(), rel=1e-5)
+        assert cols["act_std"][row["b"]] == pytest.approx(out[:take_b].std().item(), rel=1e-5)
+        assert cols["act_grad_std"][row["b"]] == pytest.approx((2 * out[:take_b]).std().item(), rel=1e-5)

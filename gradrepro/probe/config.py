@@ -18,6 +18,10 @@ class ProbeConfig:
     # >= 80 values a module (a 10-way output) and 131 K at resnet18's first conv.
     # Experiments whose verdict reads these columns set their own (precision 128, glorot 64).
     act_sample: int = 8
+    # At most this many values of each hooked output (and of its gradient) are summarised: of
+    # the act_sample examples, as many whole examples as fit, never fewer than one; 0: no cap.
+    # The experiments keep 0 (their records unchanged); gradrepro.record caps (RecordOptions).
+    act_values: int = 0
     # "tiny": grad/param ratio at least this many times below the model's median ratio.
     tiny_factor: float = 1e4
     # Per loss term, the gradient norm each term alone sends to each parameter.

@@ -87,8 +87,16 @@ class Hooks:
             if param.requires_grad:
                 self.handles.append(param.register_hook(hook_for(i)))
 
+    def _examples(self, t: torch.Tensor) -> int:
+        """How many of ``t``'s first examples the sample takes: ``act_sample``, or fewer where
+        ``act_values`` caps the values (at least one example)."""
+        n, cap = self.cfg.act_sample, self.cfg.act_values
+        if cap and t.dim() > 1 and t.shape[0]:
+            n = max(1, min(n, cap // max(1, t.numel() // t.shape[0])))
+        return n
+
     def _forward_hook(self, name: str):
-        n, acts = self.cfg.act_sample, self.buffers.acts
+        acts = self.buffers.acts
 
         def hook(module, inputs, output):
             # Inside a compiled graph torch.compile would trace the hook's bookkeeping (and break
@@ -101,10 +109,10 @@ class Hooks:
                     or out.dim() == 0):
                 return
             with torch.no_grad():
-                acts.put(name, out, take=n)
+                acts.put(name, out, take=self._examples(out))
             if (self.cfg.per_example and isinstance(module, nn.Linear)
                     and inputs and torch.is_tensor(inputs[0]) and inputs[0].dim() == 2):
-                self._inputs[name] = inputs[0].detach()[:n].float()
+                self._inputs[name] = inputs[0].detach()[:self.cfg.act_sample].float()
             if out.requires_grad:
                 out.register_hook(self._grad_hook(name))
 
@@ -122,7 +130,7 @@ class Hooks:
             # std is reported without the loss scale; the zero/flush counts are of the
             # values backward actually carried (scaled), which is what fp16 has to hold.
             with torch.no_grad():
-                buffers.act_grads.put(name, grad, self.loss_scale, take=n)
+                buffers.act_grads.put(name, grad, self.loss_scale, take=self._examples(grad))
                 if not (self.cfg.act_grad_hist or name in self._inputs):
                     return
                 g = grad[:n] if grad.shape[0] > n else grad
