@@ -1,6 +1,6 @@
 """The silent-error benchmark's score, by one command:
 
-    python benchmarks/silent_errors/score.py [--set benchmark|heldout|heldout2|...|heldout7]
+    python benchmarks/silent_errors/score.py [--set benchmark|heldout|heldout2|...|heldout8]
                                              [--half design|scored|all]
                                              [--cases NAME ...] [--healthy NAME ...] [--no-overhead]
                                              [--json out.json]
@@ -12,7 +12,7 @@ false positive). ``--set heldout`` scores the held-out set instead (cases_heldou
 healthy_heldout.py: written blind, not split in halves) with the same columns; ``--set heldout2``
 the second held-out set (cases_heldout2.py, healthy_heldout2.py, written blind the same way);
 ``--set heldout3`` the third (cases_heldout3.py, healthy_heldout3.py, written blind the same way);
-``--set heldout4`` to ``--set heldout7`` the fourth to the seventh (cases_heldoutN.py, healthy_heldoutN.py,
+``--set heldout4`` to ``--set heldout8`` the fourth to the eighth (cases_heldoutN.py, healthy_heldoutN.py,
 written blind the same way). Then the cost
 of live checking against the bare loop and against recording without live checks (CPU time of
 the training thread, interleaved rounds, medians).
@@ -44,7 +44,7 @@ def first_logged_at_or_after(step: int, every: int = EVERY) -> int:
     return -(-step // every) * every
 
 
-SETS = ("benchmark", "heldout", "heldout2", "heldout3", "heldout4", "heldout5", "heldout6", "heldout7")
+SETS = ("benchmark", "heldout", "heldout2", "heldout3", "heldout4", "heldout5", "heldout6", "heldout7", "heldout8")
 
 
 def registries(which: str) -> tuple[dict, dict, dict]:
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", choices=SETS, default="benchmark",
                     help="the benchmark (cases.py, healthy.py; default), the held-out set (cases_heldout.py, "
                          "healthy_heldout.py), the second held-out set (cases_heldout2.py, healthy_heldout2.py), "
-                         "the third to the seventh (cases_heldoutN.py, healthy_heldoutN.py)")
+                         "the third to the eighth (cases_heldoutN.py, healthy_heldoutN.py)")
     ap.add_argument("--half", choices=HALVES + ("all",), default="all",
                     help="the design half, the scored half (split.py), or all (default)")
     ap.add_argument("--cases", nargs="*", default=None, help="case names of the chosen set (default: all)")
