@@ -177,6 +177,58 @@ def test_a_frozen_target_decayed_by_hand_is_still_frozen_moved(tmp_path):
     assert {k for k, _ in found} == {"frozen_moved"}
 
 
+class _Adapted(nn.Module):
+    """A frozen base layer with a trainable low-rank adapter (LoRA: W x + B A x), and the
+    evaluation habit of merging B A into W and taking it out again afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.base, self.head = nn.Linear(6, 16).requires_grad_(False), nn.Linear(16, 3)
+        self.a, self.b = nn.Parameter(torch.randn(4, 6) * 0.3), nn.Parameter(torch.randn(16, 4) * 0.3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.base(x) + x @ self.a.t() @ self.b.t()))
+
+
+@pytest.mark.parametrize("merges", [1, 2])
+def test_an_adapter_merged_and_unmerged_is_rounding_and_merged_twice_is_frozen_moved(tmp_path, merges):
+    """Every 4 steps the loop merges the adapter into the frozen base weight ``merges`` times for
+    an evaluation and unmerges it once: once leaves the base within a round trip's rounding
+    (``rounded_between_steps``, info); twice leaves the adapter in it (``frozen_moved``)."""
+    model = _Adapted()
+    opt = torch.optim.AdamW([model.a, model.b, *model.head.parameters()], lr=0.01)
+
+    def each(step):
+        if step and step % 4 == 0:
+            with torch.no_grad():
+                delta = model.b @ model.a
+                for _ in range(merges):
+                    model.base.weight += delta
+                model.base.weight -= delta
+    rec, found, _ = _train(tmp_path, model, opt, each=each)
+    kinds = {k for k, _ in found}
+    if merges == 1:
+        assert kinds == {"rounded_between_steps"}
+        first = next(f for f in rec.watch.found if f.kind == "rounded_between_steps")
+        assert first.severity == "info" and first.name == "base.weight"
+    else:
+        assert ("frozen_moved", 4) in found and "rounded_between_steps" not in kinds
+
+
+def test_a_frozen_tensor_decayed_by_hand_between_steps_is_not_rounding(tmp_path):
+    """A hand-written decay of 1e-4 per step (far above float32's epsilon, 1.2e-7) on the frozen
+    base is a change, not rounding: ``frozen_moved`` stays."""
+    model = _Adapted()
+    opt = torch.optim.AdamW([model.a, model.b, *model.head.parameters()], lr=0.01)
+
+    def each(step):
+        with torch.no_grad():
+            model.base.weight.mul_(1 - 1e-4)
+    _, found, _ = _train(tmp_path, model, opt, each=each)
+    assert {k for k, _ in found} == {"frozen_moved"}
+
+
 def test_gradients_reset_between_micro_batches_are_found(tmp_path):
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -9,7 +9,9 @@ contradiction is reported at once, with the tensors and the likely cause:
   place by an evaluation or export helper, a shallow copy edited in place. Two changes made on
   purpose are told apart on the host and said at info: a projection onto a constraint
   (``projected_between_steps``: WGAN's clipping, a max-norm) and a pull part of the way back
-  toward the last synced weights (``interpolated_between_steps``: Lookahead, Reptile).
+  toward the last synced weights (``interpolated_between_steps``: Lookahead, Reptile). A change
+  within the rounding of a round trip (``rounded_between_steps``: a delta added and removed again,
+  as an adapter merged into its base weights for evaluation and unmerged) is said at info too.
 - ``frozen_moved``: a tensor that does not train (``requires_grad=False``, or in no param
   group) keeps its value, across the optimizer's step, inside the step (from its first forward
   pass to the optimizer's step) and between steps: momentum or weight decay applied to a frozen
@@ -58,7 +60,7 @@ Hit = tuple[str, str, str, dict]  # kind, name, detail, evidence (as checks.Hit)
 KINDS: dict[str, str] = {"changed_between_steps": WARNING, "frozen_moved": WARNING,
                          "grad_reset_in_step": WARNING, "recorder_error": WARNING, "projected_between_steps": INFO,
                          "interpolated_between_steps": INFO, "target_network_update": INFO,
-                         "changed_without_step": WARNING}
+                         "changed_without_step": WARNING, "rounded_between_steps": INFO}
 NEXT_CHECK: dict[str, str] = {
     "target_network_update": "nothing, if the frozen tensors are a target or teacher network kept as a moving average "
     "or a periodic copy of the trained one (BYOL, MoCo, mean teacher, DQN); silence='target_network_update' hides it",
@@ -67,6 +69,9 @@ NEXT_CHECK: dict[str, str] = {
     "silence='interpolated_between_steps' hides it",
     "changed_without_step": "give record() the optimizer that steps, built once before the loop (an optimizer made "
     "anew every batch also loses its state: Adam's moments, momentum); a list if several step",
+    "rounded_between_steps": "nothing, if the loop adds something to the weights and takes it away again between "
+    "steps (an adapter merged for evaluation and unmerged, a scale applied and undone): floating point leaves this "
+    "much; silence='rounded_between_steps' hides it",
     "projected_between_steps": "nothing, if the constraint is on purpose (WGAN's weight clipping, a non-negativity "
     "or max-norm constraint); silence='projected_between_steps' hides it",
     "changed_between_steps": "find what writes the weights after optimizer.step(): an EMA/averaged copy loaded for "
@@ -109,6 +114,10 @@ def _flat(p: torch.Tensor) -> Optional[torch.Tensor]:
 # (1 is the anchor loaded itself).
 INTERPOLATION_ULPS = 8.0
 INTERPOLATION_MIN_ENTRIES = 4
+# A round trip w -> fl(fl(w + d) - d) rounds twice, each within half an epsilon of its result:
+# |error| <= eps/2 (|w + d| + |w|) <= 1.5 eps max|W| where |d| <= max|W|; 2 leaves room for |d|
+# up to 2 max|W| (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., Sec. 2.2).
+ROUND_TRIP_ULPS = 2.0
 INTERPOLATION_ALPHA = (2.0**-10, 1.0 - 2.0**-10)
 
 # A slice that ``torch.renorm`` scaled down has the ball's radius as its norm up to the float32
@@ -211,6 +220,29 @@ class Fingerprints:
                 # a constant fill of many entries is no box's projection (one entry cannot tell them apart)
                 box = (flat.numel() == 1 or bool(low < high)) and bool(onto[moved].all())
                 if box or _on_ball(self.params[i], was, now, moved, hi - lo):
+                    out.add(i)
+        return out
+
+    def rounded(self, before: torch.Tensor, after: torch.Tensor, changed: Sequence[int]) -> set:
+        """Of the tensors ``changed`` between two samples, those where every sampled entry moved by
+        at most ``ROUND_TRIP_ULPS`` times the dtype's epsilon times the tensor's largest magnitude:
+        the rounding a delta added and removed again leaves (an adapter merged for evaluation and
+        unmerged), not a change a step or a copy makes."""
+        if not self.dtype.is_floating_point:
+            return set()
+        b, a = before.view(self.dtype), after.view(self.dtype)
+        out = set()
+        with torch.no_grad():
+            for i in changed:
+                flat = _flat(self.params[i])
+                if flat is None or flat.is_complex() or not flat.numel() or not flat.is_floating_point():
+                    continue
+                lo, hi = self.bounds[i], self.bounds[i + 1]
+                was, now = b[lo:hi].double(), a[lo:hi].double()
+                if not bool(torch.isfinite(was).all() and torch.isfinite(now).all()):
+                    continue
+                tol = ROUND_TRIP_ULPS * torch.finfo(flat.dtype).eps * float(flat.abs().max())
+                if bool(((now - was).abs() <= tol).all()):
                     out.add(i)
         return out
 
@@ -325,7 +357,8 @@ class StepInvariants:
         self._before: Optional[torch.Tensor] = None  # at this step's optimizer.step(), before it
         # (step, where, mask, tensors projected, the pull toward the anchor: (tensors, alpha) or None,
         # frozen tensors moved toward trainable ones: (tensors, alphas) or None)
-        self._pending: list[tuple[int, str, torch.Tensor, set, Optional[tuple], Optional[tuple]]] = []
+        # (the last: tensors whose change is a round trip's rounding)
+        self._pending: list[tuple[int, str, torch.Tensor, set, Optional[tuple], Optional[tuple], set]] = []
         self._extra: list[tuple[int, Hit]] = []  # found whole (changed_without_step)
         self._last_forward: Optional[torch.Tensor] = None  # the fingerprint at the step's last forward pass
         self._first: Optional[torch.Tensor] = None  # at the step's first forward pass
@@ -400,7 +433,7 @@ class StepInvariants:
                 # On the host the change is read at once, so a clamp or a pull toward the anchor can be
                 # told from an edit while the tensors are as it left them (on an accelerator the mask is
                 # read at a later logged step).
-                clamped, pulled, synced = set(), None, None
+                clamped, pulled, synced, rounded = set(), None, None, set()
                 if self.eager:
                     changed = self.prints.changes(mask)
                     synced = self._toward(self._after, now, changed)
@@ -408,9 +441,11 @@ class StepInvariants:
                         changed = [i for i in changed if i not in synced[0]]
                     clamped = self.prints.projected(self._after, now, changed)
                     rest = [i for i in changed if i not in clamped]
+                    rounded = self.prints.rounded(self._after, now, rest)
+                    rest = [i for i in rest if i not in rounded]
                     alpha = self.prints.interpolation(self._anchor, self._after, now, rest)
                     pulled = (rest, alpha) if alpha is not None else None
-                self._pending.append((step, "between", mask, clamped, pulled, synced))
+                self._pending.append((step, "between", mask, clamped, pulled, synced, rounded))
                 self._anchor = now
             self._after = None
 
@@ -423,7 +458,7 @@ class StepInvariants:
         if self._before is not None:
             mask = self._differ(self._before, self._after)
             if mask is not None and mask.shape == self._frozen_mask.shape:
-                self._pending.append((step, "during", mask & self._frozen_mask, set(), None, None))
+                self._pending.append((step, "during", mask & self._frozen_mask, set(), None, None, set()))
             # Inside the step, from its first forward pass to optimizer.step(): frozen tensors written
             # by the forward pass itself (nn.Embedding's max_norm renormalises the rows it looks up;
             # MoCo updates its key encoder there).
@@ -431,7 +466,7 @@ class StepInvariants:
             if mask is not None and mask.shape == self._frozen_mask.shape:
                 mask = mask & self._frozen_mask
                 synced = self._toward(self._first, self._before, self.prints.changes(mask)) if self.eager else None
-                self._pending.append((step, "inside", mask, set(), None, synced))
+                self._pending.append((step, "inside", mask, set(), None, synced, set()))
         self._before = self._first = None
 
     def _toward(self, before: torch.Tensor, after: torch.Tensor, changed: Sequence[int]) -> Optional[tuple]:
@@ -451,8 +486,8 @@ class StepInvariants:
             return found
         pending, self._pending = self._pending, []
         frozen = set(self._frozen)
-        for step, where, mask, clamped, pulled, synced in pending:
-            explained = set(clamped)
+        for step, where, mask, clamped, pulled, synced, rounded in pending:
+            explained = set(clamped) | rounded
             if synced is not None:
                 found.append((step, self._target_update(where, *synced)))
                 explained.update(synced[0])
@@ -463,7 +498,18 @@ class StepInvariants:
                 found += [(step, h) for h in self._describe(step, where, changed, frozen)]
             if clamped:
                 found.append((step, self._projected(sorted(clamped))))
+            if rounded:
+                found.append((step, self._rounded(sorted(rounded))))
         return found
+
+    def _rounded(self, rounded: list[int]) -> Hit:
+        names = self.prints.names
+        shown = ", ".join(names[i] for i in rounded[:6]) + (" ..." if len(rounded) > 6 else "")
+        return ("rounded_between_steps", names[rounded[0]], (
+            f"{len(rounded)} tensor(s) changed between the last optimizer.step() and this step's forward pass "
+            f"({shown}) by no more than {ROUND_TRIP_ULPS:g} epsilons of their largest magnitude at every sampled "
+            "entry: the rounding a change added and taken away again leaves (an adapter merged for evaluation and "
+            "unmerged), not an edit"), {"tensors_rounded": len(rounded)})
 
     def _projected(self, projected: list[int]) -> Hit:
         names = self.prints.names
