@@ -337,6 +337,11 @@ class Fingerprints:
         return [i for i in range(len(self.params)) if sizes[i] and counts[i] > 0]
 
 
+def _shown(names: Sequence[str], indices: Sequence[int]) -> str:
+    """The first six tensors' names, for a finding's text."""
+    return ", ".join(names[i] for i in indices[:6]) + (" ..." if len(indices) > 6 else "")
+
+
 _WHEN = {"between": "between the last optimizer.step() and this step's forward pass",
          "during": "during optimizer.step()",
          "inside": "inside the step, between its first forward pass and optimizer.step()"}
@@ -504,7 +509,7 @@ class StepInvariants:
 
     def _rounded(self, rounded: list[int]) -> Hit:
         names = self.prints.names
-        shown = ", ".join(names[i] for i in rounded[:6]) + (" ..." if len(rounded) > 6 else "")
+        shown = _shown(names, rounded)
         return ("rounded_between_steps", names[rounded[0]], (
             f"{len(rounded)} tensor(s) changed between the last optimizer.step() and this step's forward pass "
             f"({shown}) by no more than {ROUND_TRIP_ULPS:g} epsilons of their largest magnitude at every sampled "
@@ -513,7 +518,7 @@ class StepInvariants:
 
     def _projected(self, projected: list[int]) -> Hit:
         names = self.prints.names
-        shown = ", ".join(names[i] for i in projected[:6]) + (" ..." if len(projected) > 6 else "")
+        shown = _shown(names, projected)
         return ("projected_between_steps", names[projected[0]], (
             f"{len(projected)} tensor(s) projected in place onto a constraint between the last optimizer.step() and "
             f"this step's forward pass ({shown}): every sampled entry that changed moved onto the tensor's bound (a "
@@ -522,7 +527,7 @@ class StepInvariants:
 
     def _interpolated(self, pulled: list[int], alpha: float) -> Hit:
         names = self.prints.names
-        shown = ", ".join(names[i] for i in pulled[:6]) + (" ..." if len(pulled) > 6 else "")
+        shown = _shown(names, pulled)
         return ("interpolated_between_steps", names[pulled[0]], (
             f"{len(pulled)} tensor(s) moved between the last optimizer.step() and this step's forward pass ({shown}) "
             f"onto the segment toward their values after the previous such change (or the first step), a fraction "
@@ -531,7 +536,7 @@ class StepInvariants:
 
     def _target_update(self, where: str, moved: list[int], alphas: list[float]) -> Hit:
         names = self.prints.names
-        shown = ", ".join(names[i] for i in moved[:6]) + (" ..." if len(moved) > 6 else "")
+        shown = _shown(names, moved)
         known = [a for a in alphas if not math.isnan(a)]
         low, high = (min(known), max(known)) if known else (math.nan, math.nan)
         part = ("an unknown fraction (each equalled its trained tensor: the average only rounded)" if not known else
@@ -550,7 +555,7 @@ class StepInvariants:
         hits: list[Hit] = []
         when = _WHEN[where]
         if edited:
-            shown = ", ".join(names[i] for i in edited[:6]) + (" ..." if len(edited) > 6 else "")
+            shown = _shown(names, edited)
             share = len(edited) / max(1, len(self.prints.params) - len(frozen))
             what = ("nearly every trainable tensor: a copy of the weights was loaded (an EMA or averaged "
                     "model swapped in, load_state_dict) and not restored" if share > 0.5 else
@@ -560,7 +565,7 @@ class StepInvariants:
                 f"{len(edited)} tensor(s) changed {when} ({shown}): {what}; training goes on from weights the "
                 "optimizer did not produce"), {"tensors_changed": len(edited), "share_of_trainable": share}))
         if moved:
-            shown = ", ".join(names[i] for i in moved[:6]) + (" ..." if len(moved) > 6 else "")
+            shown = _shown(names, moved)
             why = {"during": "the optimizer moved them: a zero .grad (not None) lets momentum and weight decay act",
                    "inside": "the forward or backward pass wrote them (nn.Embedding's max_norm renormalises the rows "
                    "it looks up in place, frozen or not; a hook or a forward that updates weights in place)",
