@@ -139,10 +139,10 @@ class RecordOptions:
             raise UserError(f"every={every!r} must be a whole number of steps >= 1")
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
             raise UserError(f"steps={steps!r} must be the whole number of steps the loop takes (>= 1), or None")
-        for key in ("act_sample", "act_values"):
+        for key, least in (("act_sample", 1), ("act_values", 0)):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (key == "act_sample"):
-                raise UserError(f"{key}={value!r} must be a whole number >= {int(key == 'act_sample')}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise UserError(f"{key}={value!r} must be a whole number >= {least}")
         if self.before_on not in BEFORE_ON:
             raise UserError(f"before_on={self.before_on!r} is not valid; choose one of: {', '.join(BEFORE_ON)}")
         check_options(self.on_finding, self.silence)

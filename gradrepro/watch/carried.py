@@ -62,8 +62,7 @@ _GLOBAL_HOOKS = (getattr(torch_optimizer, "register_optimizer_step_pre_hook", No
 # the last check closes or is collected.
 _LISTENING: "weakref.WeakSet" = weakref.WeakSet()
 _GLOBAL_HANDLES: list = []
-_RELEASES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # check -> its finalizer
-_LIVE = [0]
+_LIVE = [0]  # checks listening: each one's finalizer takes itself off once, at close or at collection
 
 
 def _to_each(event: str):
@@ -87,14 +86,12 @@ def _listen(check: "CarriedGradients") -> None:
         _GLOBAL_HANDLES.extend([pre(_to_each("_step_begins")), post(_to_each("_step_ends"))])
     _LISTENING.add(check)
     _LIVE[0] += 1
-    _RELEASES[check] = weakref.finalize(check, _release)  # runs once: at close or at collection
+    check._release = weakref.finalize(check, _release)
 
 
 def _stop_listening(check: "CarriedGradients") -> None:
     _LISTENING.discard(check)
-    release = _RELEASES.pop(check, None)
-    if release is not None:
-        release()
+    check._release()  # a finalizer runs at most once
 
 
 def own_global_hooks() -> set:
