@@ -59,6 +59,17 @@ def test_the_predictors_lr_is_not_decayed_while_the_rest_follows_the_cosine():
     assert groups[1]["lr"] == cfg.optim.lr
 
 
+@pytest.mark.parametrize("name", ("simsiam_baseline",) + FAILURES)
+def test_the_simsiam_experiments_use_two_threads_where_the_machine_has_them(name, monkeypatch):
+    # The main job's time on a 2-core machine (experiments/simsiam.md, "Threads"); never more
+    # threads than the cores the process may use, which validation would refuse.
+    from gradrepro.config import resolvers
+
+    for cores, expected in ((1, 1), (2, 2), (16, 2)):
+        monkeypatch.setattr(resolvers, "usable_cores", lambda cores=cores: cores)
+        assert compose_config([f"experiment={name}"]).threads == expected
+
+
 def test_linear_probe_reads_class_information_at_any_scale_and_gives_chance_without_it():
     g = torch.Generator().manual_seed(0)
     k, n = 10, 2000
