@@ -121,11 +121,13 @@ def test_a_tiny_run_records_linear_and_knn_accuracy_with_their_values_at_init(tm
 
 
 # The verdicts measured on held-out seeds (no knob was chosen on them), as the page's table
-# records them (experiments/simsiam.md, "Held-out seeds"): a regression pin, not a claim. The
-# pair does not reproduce on every seed (1001 fails on both sides), and the pin says so.
+# records them (experiments/simsiam.md, "Held-out seeds 6000-6009", two threads, an AMD EPYC
+# CPU): a regression pin, not a claim; another CPU may round differently and carry it elsewhere
+# over 1,563 steps. The pair does not reproduce on every seed (the control is stuck on 6000, the
+# ablation learns an invariant solution on 6002), and the pin says so.
 MEASURED_VERDICTS = {
-    ("simsiam_baseline", 1000): True, ("simsiam_baseline", 1001): False,
-    ("simsiam_nostopgrad", 1000): True, ("simsiam_nostopgrad", 1001): False,
+    ("simsiam_baseline", 6000): False, ("simsiam_baseline", 6002): True,
+    ("simsiam_nostopgrad", 6000): True, ("simsiam_nostopgrad", 6002): False,
 }
 
 
